@@ -59,6 +59,9 @@ class Resource:
     def commit(self, step: ResourceStep, ctx: StepContext) -> None:
         """Record consumption after the forward; the only stage that advances lengths."""
 
+    def abort_step(self, step: ResourceStep, ctx: StepContext) -> None:
+        """Undo an admitted step whose forward failed: drop in-flight marks, advance nothing."""
+
     # -- pre-planning --------------------------------------------------------------------------
     def pre_admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
         """Admit one step ahead; defaults to the ordinary admit."""
