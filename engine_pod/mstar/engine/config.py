@@ -125,7 +125,9 @@ def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = Tr
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kwargs)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, **kwargs
+            )
         elif isinstance(default, list):
             parser.add_argument(flag, type=int, nargs="*", default=default, **kwargs)
         else:

@@ -95,9 +95,7 @@ class Resource:
         return float(self.reclaimable(request_id))
 
     # -- engine --------------------------------------------------------------------------------
-    def build_cuda_graph_buffers(
-        self, slots: Sequence[Any], max_bs: int, max_seq_len: int
-    ) -> None:
+    def build_cuda_graph_buffers(self, slots: Sequence[Any], max_bs: int, max_seq_len: int) -> None:
         """Size static buffers for graph capture. Grow only: never clobber a captured address."""
 
     def post_warmup_validate(self) -> None:
