@@ -1,0 +1,69 @@
+"""The device tensor, in FlashInfer's paged NHD layout; all layout knowledge lives here."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engine.resources.kv.config import KVConfig
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """One tensor ``[layers, pages, 2 (K/V), page_size, kv_heads, head_dim]``.
+
+    A write slot is ``page * page_size + offset``: the flat token index a layer's K (or V)
+    plane has once ``[pages, page_size]`` is merged, which is what `KVPlan.write_slots` holds.
+    """
+
+    def __init__(self, config: KVConfig) -> None:
+        self.page_size = config.page_size
+        self.num_layers = config.num_layers
+        self.tensor = torch.zeros(
+            (
+                config.num_layers,
+                config.num_pages,
+                2,
+                config.page_size,
+                config.num_kv_heads,
+                config.head_dim,
+            ),
+            dtype=config.dtype,
+            device=config.device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """``[pages, 2, page_size, kv_heads, head_dim]``: what the attention kernel reads."""
+        return self.tensor[layer]
+
+    def write_tokens(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor
+    ) -> None:
+        """Scatter ``k``/``v`` (``[tokens, kv_heads, head_dim]``) into their slots."""
+        view = self.tensor[layer]
+        page = torch.div(write_slots, self.page_size, rounding_mode="floor")
+        offset = write_slots - page * self.page_size
+        view[page, 0, offset] = k.to(view.dtype)
+        view[page, 1, offset] = v.to(view.dtype)
+
+    def read_tokens(
+        self, layer: int, write_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K and V back from slots (tests and reference attention)."""
+        view = self.tensor[layer]
+        page = torch.div(write_slots, self.page_size, rounding_mode="floor")
+        offset = write_slots - page * self.page_size
+        return view[page, 0, offset], view[page, 1, offset]
+
+    def gather_pages(self, pages: list[int]) -> torch.Tensor:
+        """All layers, K and V, of ``pages``: ``[layers, len(pages), 2, ps, heads, dim]``."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.tensor.device)
+        return self.tensor.index_select(1, index)
+
+    def scatter_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(pages, dtype=torch.long, device=self.tensor.device)
+        self.tensor.index_copy_(1, index, data.to(self.tensor.device, self.tensor.dtype))

@@ -1,0 +1,69 @@
+"""Configuration values of the paged KV cache, and the per-request override it accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.engine.resources.step import ResourceStep
+
+__all__ = ["KVConfig", "KVRequestConfig", "KVStep"]
+
+
+@dataclass
+class KVConfig:
+    """Shape and policy of one node's KV cache.
+
+    ``num_pages`` counts every page of the device tensor; with ``reserve_sink_page`` page 0 is
+    taken out of circulation (a captured graph's padding rows write into it), so the usable pool
+    is one page smaller.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    max_seq_len: int = 4096
+    host_offload_pages: int = 0
+    enable_prefix_cache: bool = False
+    reserve_sink_page: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVConfig.{name} must be at least 1, got {getattr(self, name)}")
+        minimum = 2 if self.reserve_sink_page else 1
+        if self.num_pages < minimum:
+            raise ValueError(
+                f"KVConfig.num_pages must be at least {minimum}, got {self.num_pages}"
+                + (" (page 0 is the sink page)" if self.reserve_sink_page else "")
+            )
+        if self.host_offload_pages < 0:
+            raise ValueError("KVConfig.host_offload_pages must be >= 0 (0 = no host tier)")
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - (1 if self.reserve_sink_page else 0)
+
+
+@dataclass
+class KVRequestConfig:
+    """Per-request KV override handed to `ingest_request`.
+
+    ``token_ids`` is a reference to the request's *live* token list (prompt + generated; the
+    scheduler appends to it). The cache never copies it: at commit it reads the tokens of each
+    newly filled page to key the prefix index.
+    """
+
+    token_ids: list[int]
+
+
+@dataclass
+class KVStep(ResourceStep):
+    """A KV step; ``commit=False`` reads the streams without advancing them at commit."""
+
+    commit: bool = True

@@ -1,0 +1,80 @@
+"""Page-conservation checks, run after every mutation when ``MSTAR_KV_DEBUG_ASSERTS=1``."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+
+from mstar.engine.resources.kv.allocator import PageArena
+from mstar.engine.resources.kv.host import HostPagePool
+from mstar.engine.resources.kv.prefix import PrefixIndex
+from mstar.engine.resources.kv.stream import Stream
+
+__all__ = ["check_pages_conserved", "debug_asserts_enabled"]
+
+DEBUG_ENV = "MSTAR_KV_DEBUG_ASSERTS"
+
+
+def debug_asserts_enabled() -> bool:
+    """Read once per manager: the check walks every page, far too slow for production."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def check_pages_conserved(
+    arena: PageArena,
+    streams: Mapping[str, Mapping[str, Stream]],
+    index: PrefixIndex | None,
+    host: HostPagePool | None,
+) -> None:
+    """Raise AssertionError unless every device and host page is accounted for exactly.
+
+    Device: each page's owner count equals its references (streams + index + sink); no page is
+    both free and owned; free + owned == total. Host: every host page is either free or held by
+    exactly one offloaded stream.
+    """
+    refs: Counter[int] = Counter()
+    host_refs: Counter[int] = Counter()
+    for rid, per in streams.items():
+        for label, stream in per.items():
+            refs.update(stream.pages)
+            host_refs.update(stream.host_pages)
+            if stream.offloaded and stream.pages:
+                raise AssertionError(f"offloaded stream {rid}/{label} still holds device pages")
+    if index is not None:
+        refs.update(index.pages())
+    if arena.sink_page is not None:
+        refs[arena.sink_page] += 1
+    owners = arena.owners
+    for page in range(arena.num_pages):
+        if owners[page] != refs.get(page, 0):
+            raise AssertionError(
+                f"page {page}: owner count {owners[page]} but {refs.get(page, 0)} references"
+            )
+    _check_free_list(arena.allocator.free_pages(), arena.num_pages, owners.__getitem__, "device")
+    if host is not None:
+        dup = [p for p, n in host_refs.items() if n > 1]
+        if dup:
+            raise AssertionError(f"host pages held twice: {dup}")
+        _check_free_list(
+            host.allocator.free_pages(), host.num_pages, lambda p: host_refs.get(p, 0), "host"
+        )
+    elif host_refs:
+        raise AssertionError("streams hold host pages but there is no host tier")
+
+
+def _check_free_list(
+    free: Iterable[int], total: int, count: Callable[[int], int], tier: str
+) -> None:
+    free_list = list(free)
+    free_set = set(free_list)
+    if len(free_set) != len(free_list):
+        raise AssertionError(f"{tier} free list holds a page twice")
+    both = [p for p in free_set if count(p)]
+    if both:
+        raise AssertionError(f"{tier} pages both free and owned: {sorted(both)}")
+    owned_pages = sum(1 for p in range(total) if count(p))
+    if owned_pages + len(free_set) != total:
+        raise AssertionError(
+            f"{tier}: {len(free_set)} free + {owned_pages} owned != {total} pages (leak)"
+        )

@@ -1,0 +1,479 @@
+"""`KVCacheResource`: the paged KV cache as a step resource (key ``"kv"``).
+
+Protocol per step (§3.3 of the resources reference):
+
+- ``admit`` reserves whole pages for every segment's span, all at once: either every stream of
+  the step gets what it needs or nothing new is taken. Pages a stream already holds from
+  earlier steps stay as its high-water mark. Refusals are values, never exceptions.
+- ``plan`` builds the step's `KVPlan` from the stored lengths; it changes nothing.
+- ``commit`` is the only place lengths advance, then offers newly filled whole pages to the
+  prefix index.
+
+One reentrant lock guards stream and arena state; the allocator has its own lock. Device<->host
+copies run under the lock too: simple and correct, at the cost of blocking a concurrent step
+while an offload copies (a claim/copy/commit split is the known way to lift that).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from mstar.engine.resources.base import Resource
+from mstar.engine.resources.kv.allocator import PageArena
+from mstar.engine.resources.kv.cache import KVCache
+from mstar.engine.resources.kv.config import KVConfig, KVRequestConfig
+from mstar.engine.resources.kv.debug import check_pages_conserved, debug_asserts_enabled
+from mstar.engine.resources.kv.host import HostPagePool
+from mstar.engine.resources.kv.plan import KVPlan, build_plan
+from mstar.engine.resources.kv.prefix import ROOT_KEY, PrefixIndex, chain_key
+from mstar.engine.resources.kv.stream import Stream
+from mstar.engine.resources.step import (
+    ADMIT_OK,
+    AdmitOutcome,
+    AdmitRuntimeError,
+    AllocationFailed,
+    RequestOffloading,
+    ResourceStep,
+    StepContext,
+)
+
+__all__ = ["MAIN_LABEL", "KVCacheResource"]
+
+#: The only label our Llama models use; streams stay keyed by (request_id, label) regardless.
+MAIN_LABEL = "main"
+
+
+def _refuse(reason: Any) -> AdmitOutcome:
+    return AdmitOutcome(False, True, reason)
+
+
+class KVCacheResource(Resource):
+    """Paged KV cache with a refcounted arena, a prefix index and a host offload tier."""
+
+    supports_eviction = True
+
+    def __init__(self, config: KVConfig) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.cache = KVCache(config)
+        self.arena = PageArena(config.num_pages, reserve_sink=config.reserve_sink_page)
+        self.prefix: PrefixIndex | None = (
+            PrefixIndex(self.arena) if config.enable_prefix_cache else None
+        )
+        self.host: HostPagePool | None = (
+            HostPagePool(self.cache, config.host_offload_pages)
+            if config.host_offload_pages > 0
+            else None
+        )
+        self._streams: dict[str, dict[str, Stream]] = {}
+        self._tokens: dict[str, list[int]] = {}
+        self._lock = threading.RLock()
+        self._debug = debug_asserts_enabled()
+        #: Prompt tokens looked up / served from the prefix index (vLLM's hit-rate semantics).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- stats ---------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        """Usable device pages (the sink page excluded)."""
+        return self.arena.num_usable
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.arena.num_free
+
+    @property
+    def usage(self) -> float:
+        """1 - free/usable: pages held by requests *or* the prefix index count as used."""
+        return 1.0 - self.arena.num_free / self.arena.num_usable
+
+    @property
+    def num_host_pages_used(self) -> int:
+        return 0 if self.host is None else self.host.num_used
+
+    @property
+    def host_usage(self) -> float:
+        if self.host is None:
+            return 0.0
+        return self.host.num_used / self.host.num_pages
+
+    @property
+    def num_prefix_pages(self) -> int:
+        return 0 if self.prefix is None else len(self.prefix)
+
+    def pages_held_by(self, request_id: str) -> int:
+        """Device pages the request's streams hold (high-water marks included)."""
+        with self._lock:
+            per = self._streams.get(request_id)
+            return 0 if per is None else sum(len(s.pages) for s in per.values())
+
+    def stored_len(self, request_id: str, label: str = MAIN_LABEL) -> int:
+        with self._lock:
+            per = self._streams.get(request_id)
+            stream = None if per is None else per.get(label)
+            return 0 if stream is None else stream.stored_len
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    # -- per request ---------------------------------------------------------------------------
+    def ingest_request(self, request_id: str, overrides: Any | None = None) -> None:
+        """Open the request's ``"main"`` stream; idempotent (re-ingest keeps the pages)."""
+        if overrides is not None and not isinstance(overrides, KVRequestConfig):
+            raise TypeError(
+                f"KV overrides must be a KVRequestConfig or None, got {type(overrides).__name__}"
+            )
+        with self._lock:
+            self._streams.setdefault(request_id, {MAIN_LABEL: Stream()})
+            if overrides is not None:
+                self._tokens[request_id] = overrides.token_ids
+
+    def remove_request(self, request_id: str) -> None:
+        """Free the request's device and host pages at once."""
+        with self._lock:
+            per = self._streams.pop(request_id, None)
+            self._tokens.pop(request_id, None)
+            if per is not None:
+                for stream in per.values():
+                    self._drop_stream_storage(stream)
+            self._check()
+
+    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Reuse indexed pages for the request's prompt; returns the number of tokens reused.
+
+        Whole pages only, at most ``len(token_ids) - 1`` tokens so at least one is computed.
+        Call before the request's first admit: it sets the main stream's pages and stored
+        length. A repeated call answers the first result; a stream that already holds state
+        gets 0. Counts ``prefix_queries`` / ``prefix_hits`` in tokens.
+        """
+        ps = self.page_size
+        with self._lock:
+            per = self._streams.get(request_id)
+            if per is None:
+                raise KeyError(f"match_prefix: request {request_id!r} was never ingested")
+            stream = per.setdefault(MAIN_LABEL, Stream())
+            if stream.matched is not None:
+                return stream.matched
+            if stream.pages or stream.stored_len or stream.offloaded:
+                return 0
+            self.prefix_queries += len(token_ids)
+            pages: list[int] = []
+            keys: list[bytes] = []
+            if self.prefix is not None:
+                parent = ROOT_KEY
+                for i in range(max(len(token_ids) - 1, 0) // ps):
+                    key = chain_key(parent, token_ids[i * ps : (i + 1) * ps])
+                    page = self.prefix.get(key)
+                    if page is None:
+                        break
+                    pages.append(page)
+                    keys.append(key)
+                    parent = key
+            self.arena.retain(pages)
+            stream.pages = pages
+            stream.keys = keys
+            stream.stored_len = matched = len(pages) * ps
+            stream.matched = matched
+            self.prefix_hits += matched
+            self._check()
+            return matched
+
+    # -- per step ------------------------------------------------------------------------------
+    def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
+        """Reserve whole pages for each segment's span; all segments or none get new pages."""
+        segments = step.segments
+        if not segments:
+            return ADMIT_OK
+        ps = self.page_size
+        max_len = self.config.max_seq_len
+        usable = self.arena.num_usable
+        with self._lock:
+            streams = self._streams
+            touched: list[Stream] = []
+            grow: list[tuple[Stream, int, str, str]] = []
+            total = 0
+            for rid, label, span in segments:
+                per = streams.get(rid)
+                if per is None:
+                    return _refuse(
+                        AdmitRuntimeError(f"request {rid!r} was never ingested by the KV cache")
+                    )
+                stream = per.get(label)
+                if stream is None:
+                    if span <= 0:
+                        continue  # a zero-span read of nothing: no stream is created
+                    stream = per[label] = Stream()
+                if stream.offloaded:  # even a zero-span read needs the pages on the device
+                    return _refuse(
+                        RequestOffloading(
+                            f"request {rid!r} ({label}) is offloaded to host memory; "
+                            "retry after reload",
+                            label,
+                            rid,
+                        )
+                    )
+                if span <= 0:
+                    touched.append(stream)
+                    continue
+                seq = stream.stored_len + span
+                if seq > max_len:
+                    return _refuse(
+                        AdmitRuntimeError(
+                            f"request {rid!r} needs {seq} tokens of context but the KV cache's "
+                            f"max_seq_len is {max_len}; shorten the prompt or max_tokens"
+                        )
+                    )
+                need = (seq + ps - 1) // ps
+                held = len(stream.pages)
+                if need > held:
+                    if need > usable:
+                        return _refuse(
+                            AdmitRuntimeError(
+                                f"request {rid!r} needs {need} KV pages but the cache has only "
+                                f"{usable}; shorten the prompt or max_tokens"
+                            )
+                        )
+                    grow.append((stream, need - held, rid, label))
+                    total += need - held
+                touched.append(stream)
+            if total:
+                failed = self._reserve(grow, total)
+                if failed is not None:
+                    return _refuse(failed)
+            for stream in touched:
+                stream.step_in_flight = True
+            if self._debug:
+                self._check()
+        return ADMIT_OK
+
+    def _reserve(
+        self, grow: list[tuple[Stream, int, str, str]], total: int
+    ) -> AllocationFailed | None:
+        """Take ``total`` pages in one go and hand them out; evict index leaves when short."""
+        arena = self.arena
+        pages = arena.acquire(total)
+        if pages is None and self.prefix is not None:
+            self.prefix.evict(total - arena.num_free)
+            pages = arena.acquire(total)
+        if pages is None:
+            free = arena.num_free
+            # Blame the first segment that no longer fits once the ones before it are served.
+            running = 0
+            rid, label = grow[0][2], grow[0][3]
+            for _, n, seg_rid, seg_label in grow:
+                running += n
+                if running > free:
+                    rid, label = seg_rid, seg_label
+                    break
+            short = total - free
+            return AllocationFailed(
+                f"KV cache is {short} pages short for request {rid!r} ({label}): the step needs "
+                f"{total} new pages and {free} are free",
+                short,
+                label,
+                rid,
+            )
+        start = 0
+        for stream, n, _, _ in grow:
+            stream.pages.extend(pages[start : start + n])
+            start += n
+        return None
+
+    def plan(self, step: ResourceStep, ctx: StepContext) -> KVPlan:
+        segments = step.segments or ()
+        with self._lock:
+            return build_plan(segments, self._streams, self.page_size, self.cache.device)
+
+    def commit(self, step: ResourceStep, ctx: StepContext) -> None:
+        """Advance lengths (unless ``step.commit`` is False), then index newly filled pages."""
+        segments = step.segments
+        if not segments:
+            return
+        advance = getattr(step, "commit", True)
+        index = self.prefix is not None and not ctx.capture
+        ps = self.page_size
+        with self._lock:
+            streams = self._streams
+            for rid, label, span in segments:
+                per = streams.get(rid)
+                stream = None if per is None else per.get(label)
+                if stream is None:
+                    continue  # removed mid-step, or a zero-span read of nothing
+                stream.step_in_flight = False
+                if not advance or span <= 0:
+                    continue
+                stored = stream.stored_len = stream.stored_len + span
+                if index and label == MAIN_LABEL and stored // ps > len(stream.keys):
+                    self._index_pages(rid, stream)
+            if self._debug:
+                self._check()
+
+    def abort_step(self, step: ResourceStep, ctx: StepContext) -> None:
+        """Forward failed: drop the in-flight marks; lengths stay, reserved pages stay held."""
+        with self._lock:
+            for rid, label, _ in step.segments or ():
+                per = self._streams.get(rid)
+                stream = None if per is None else per.get(label)
+                if stream is not None:
+                    stream.step_in_flight = False
+
+    def _index_pages(self, rid: str, stream: Stream) -> None:
+        """Offer the stream's newly filled whole pages to the prefix index.
+
+        Keys come from the request's live token list; pages the list does not cover yet wait
+        for a later commit. Only the main stream is indexed (its tokens are the request's).
+        """
+        tokens = self._tokens.get(rid)
+        prefix = self.prefix
+        if tokens is None or prefix is None:
+            return
+        ps = self.page_size
+        keys = stream.keys
+        full = min(stream.stored_len, len(tokens)) // ps
+        parent: bytes | None = keys[-1] if keys else None
+        for i in range(len(keys), full):
+            key = chain_key(
+                parent if parent is not None else ROOT_KEY, tokens[i * ps : (i + 1) * ps]
+            )
+            prefix.insert(key, stream.pages[i], parent)
+            keys.append(key)
+            parent = key
+
+    # -- prefix cache --------------------------------------------------------------------------
+    def evict_prefix_cache(self, num_pages: int | None = None) -> int:
+        """Evict LRU index leaves (all evictable ones by default); returns pages freed."""
+        if self.prefix is None:
+            return 0
+        with self._lock:
+            freed = self.prefix.evict(len(self.prefix) if num_pages is None else num_pages)
+            self._check()
+            return freed
+
+    # -- eviction to host ----------------------------------------------------------------------
+    def is_offloaded(self, request_id: str) -> bool:
+        per = self._streams.get(request_id)
+        return per is not None and any(s.offloaded for s in per.values())
+
+    def reclaimable(self, request_id: str) -> int:
+        """Device pages an offload would give back now.
+
+        Counts held pages that no *other request* holds: a page shared only with the prefix
+        index counts (after the offload it is index-only and evictable), a page another live
+        stream also holds does not. 0 while offloaded or while a step is in flight (offload
+        would decline).
+        """
+        with self._lock:
+            per = self._streams.get(request_id)
+            if per is None:
+                return 0
+            return self._reclaimable_locked(per)
+
+    def _reclaimable_locked(self, per: dict[str, Stream]) -> int:
+        if any(s.step_in_flight or s.offloaded for s in per.values()):
+            return 0
+        owners = self.arena.owners
+        prefix = self.prefix
+        count = 0
+        for stream in per.values():
+            for page in stream.pages:
+                others = owners[page] - 1 - (1 if prefix is not None and prefix.holds(page) else 0)
+                if others == 0:
+                    count += 1
+        return count
+
+    def get_offload_priority(self, request_id: str) -> float:
+        return float(self.reclaimable(request_id))
+
+    def offload(self, request_id: str) -> int:
+        """Move every stream of the request to host memory; returns `reclaimable` pages.
+
+        Declines (0) with no host tier, while a step is in flight, when the request holds no
+        page it alone keeps, or when the host pool is short. Only the pages covering each
+        stream's stored length are copied; high-water pages beyond it are simply released.
+        """
+        host = self.host
+        if host is None:
+            return 0
+        ps = self.page_size
+        with self._lock:
+            per = self._streams.get(request_id)
+            if per is None:
+                return 0
+            freed = self._reclaimable_locked(per)
+            if freed == 0:
+                return 0
+            live = [s for s in per.values() if s.pages]
+            needed = [s.pages[: (s.stored_len + ps - 1) // ps] for s in live]
+            host_pages = host.store([p for pages in needed for p in pages])
+            if host_pages is None:
+                return 0
+            start = 0
+            for stream, pages in zip(live, needed, strict=True):
+                stream.host_pages = host_pages[start : start + len(pages)]
+                start += len(pages)
+                self.arena.release(stream.pages)
+                stream.pages = []
+                stream.offloaded = True
+            self._check()
+            return freed
+
+    def reload(self, request_id: str) -> bool:
+        """Bring an offloaded request back, all or nothing; False when device pages are short.
+
+        Restored pages are private copies (no longer shared with the index); the stream's
+        prefix keys are kept so its next filled page still chains onto the indexed prefix.
+        """
+        with self._lock:
+            per = self._streams.get(request_id)
+            if per is None:
+                return True
+            back = [s for s in per.values() if s.offloaded]
+            if not back:
+                return True
+            total = sum(len(s.host_pages) for s in back)
+            pages = self.arena.acquire(total)
+            if pages is None and self.prefix is not None:
+                self.prefix.evict(total - self.arena.num_free)
+                pages = self.arena.acquire(total)
+            if pages is None:
+                return False
+            assert self.host is not None
+            self.host.load([p for s in back for p in s.host_pages], pages)
+            start = 0
+            for stream in back:
+                n = len(stream.host_pages)
+                stream.pages = pages[start : start + n]
+                start += n
+                self.host.free(stream.host_pages)
+                stream.host_pages = []
+                stream.offloaded = False
+            self._check()
+            return True
+
+    # -- engine --------------------------------------------------------------------------------
+    def cleanup(self) -> None:
+        with self._lock:
+            for rid in list(self._streams):
+                self.remove_request(rid)
+            if self.prefix is not None:
+                self.prefix.evict(len(self.prefix))
+
+    # -- debug ---------------------------------------------------------------------------------
+    def assert_pages_conserved(self) -> None:
+        """Raise AssertionError unless owner counts match references exactly (see debug.py)."""
+        with self._lock:
+            check_pages_conserved(self.arena, self._streams, self.prefix, self.host)
+
+    def _check(self) -> None:
+        if self._debug:
+            self.assert_pages_conserved()
+
+    def _drop_stream_storage(self, stream: Stream) -> None:
+        if stream.pages:
+            self.arena.release(stream.pages)
+            stream.pages = []
+        if stream.host_pages and self.host is not None:
+            self.host.free(stream.host_pages)
+            stream.host_pages = []

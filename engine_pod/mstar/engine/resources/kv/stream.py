@@ -1,0 +1,35 @@
+"""One (request_id, label) KV sequence."""
+
+from __future__ import annotations
+
+__all__ = ["Stream"]
+
+
+class Stream:
+    """Pages and length of one stream.
+
+    ``pages`` is a high-water mark: it may hold more pages than ``stored_len`` needs (an admit
+    reserved them for a step that was refused elsewhere, or a shrink kept them), and plans slice
+    it to the logical length. ``keys`` are the prefix-chain keys of its first ``len(keys)``
+    pages (those already offered to the prefix index). ``matched`` is the answer of the
+    request's `match_prefix` call, kept so a repeated call answers the same.
+    """
+
+    __slots__ = (
+        "host_pages",
+        "keys",
+        "matched",
+        "offloaded",
+        "pages",
+        "step_in_flight",
+        "stored_len",
+    )
+
+    def __init__(self) -> None:
+        self.pages: list[int] = []
+        self.stored_len = 0
+        self.step_in_flight = False
+        self.offloaded = False
+        self.host_pages: list[int] = []
+        self.keys: list[bytes] = []
+        self.matched: int | None = None
