@@ -1,0 +1,421 @@
+"""`SamplerResource`: per-request sampling state and the batched `sample` of one step.
+
+Per-request parameters live in one device table (a row per request, written once at ingest), so
+`plan` is one index gather however many features are in play; vocab-wide penalty state (output
+counts, prompt mask) is held only for requests that use a penalty. `sample` draws but records
+nothing: `commit` applies the drawn tokens, so a step that is planned and sampled but never
+committed leaves every request exactly where it was (same seeded draw next time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.engine.outputs import TokenLogprob
+from mstar.engine.resources.base import Resource
+from mstar.engine.resources.sampling import ops
+from mstar.engine.resources.step import ResourceStep, StepContext
+from mstar.engine.sampling_params import SamplingParams
+
+#: Temperatures below this are greedy (dividing by them would only overflow).
+GREEDY_EPS = 1e-5
+
+# Columns of the per-request parameter table. Off values are the identity for their stage.
+_TEMP, _TOP_P_CUT, _LOG_MIN_P, _REP, _PRES, _FREQ, _TOP_K, _GREEDY = range(8)
+_NCOLS = 8
+_IDENTITY_ROW = (1.0, 2.0, ops.NEG_INF, 1.0, 0.0, 0.0, 0.0, 1.0)
+
+# Feature bits, OR-ed over a batch's rows at plan time.
+_F_GREEDY, _F_TOPK, _F_TOPP, _F_MINP, _F_PENALTY, _F_SEEDED = (1 << i for i in range(6))
+
+
+@dataclass
+class SamplerRequestConfig:
+    """What the sampler is told at arrival: the parameters and the prompt (repetition penalty)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    params: SamplingParams
+    slot: int
+    pen_row: int
+    features: int
+    top_k: int
+    logprobs: int | None
+    seed_base: int | None
+    num_output: int = 0
+
+
+@dataclass(slots=True)
+class SamplerPlan:
+    """One step's gathered parameters. Tensors are None when no row of the batch needs them."""
+
+    request_ids: tuple[str, ...]
+    #: Batch rows whose token commit records (real, known requests; padding rows are left out).
+    commit_rows: tuple[int, ...]
+    all_greedy: bool
+    #: `[rows]` bool: rows to answer by argmax. None when no row is greedy or all are.
+    greedy: torch.Tensor | None
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_k_max: int
+    top_p_cut: torch.Tensor | None
+    log_min_p: torch.Tensor | None
+    #: Penalty inputs: table rows of each batch row (0 = the all-zero row) and parameters.
+    pen_rows: torch.Tensor | None
+    repetition: torch.Tensor | None
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    #: Batch rows that use seeded noise, with each row's key for this output index.
+    seeded_rows: torch.Tensor | None
+    seeded_keys: torch.Tensor | None
+    #: Rows that want generator noise (sampled and unseeded).
+    any_random: bool
+    #: (batch row, k) for rows asking for logprobs.
+    logprob_rows: tuple[tuple[int, int], ...]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def use_penalties(self) -> bool:
+        return self.pen_rows is not None
+
+
+@dataclass
+class SampleOutput:
+    """One token per row; `logprobs[i]` is None for a row that did not ask for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None
+    #: The same tokens on the device, for feeding the next step without a host round trip.
+    token_tensor: torch.Tensor
+
+
+class SamplerResource(Resource):
+    """Sampling parameters and state per request; runner key "sampler", no dependencies."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        initial_capacity: int = 64,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._reqs: dict[str, _Request] = {}
+        # Row 0 of each table is reserved: identity parameters (padding rows) / zero state.
+        cap = max(2, initial_capacity)
+        self._params = torch.empty((cap, _NCOLS), dtype=torch.float32, device=self.device)
+        self._params[:] = torch.tensor(_IDENTITY_ROW)
+        self._free_slots = list(range(cap - 1, 0, -1))
+        self._counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=self.device)
+        self._prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
+        self._free_pen_rows: list[int] = []
+        self._vhash: torch.Tensor | None = None
+        self._work = torch.empty((0, vocab_size), dtype=torch.float32, device=self.device)
+        self._noise = torch.empty((0, vocab_size), dtype=torch.float32, device=self.device)
+        self._pending: tuple[SamplerPlan, torch.Tensor] | None = None
+
+    # -- per request ---------------------------------------------------------------------------
+    def ingest_request(self, request_id: str, overrides: object | None = None) -> None:
+        if request_id in self._reqs:
+            return
+        if overrides is None:
+            cfg = SamplerRequestConfig(SamplingParams())
+        elif isinstance(overrides, SamplerRequestConfig):
+            cfg = overrides
+        else:
+            raise TypeError(f"sampler overrides must be SamplerRequestConfig, got {overrides!r}")
+        p = cfg.params
+        greedy = p.temperature < GREEDY_EPS
+        top_k = p.top_k if 0 < p.top_k < self.vocab_size else 0
+        features = _F_GREEDY if greedy else 0
+        if not greedy:
+            features |= (
+                (_F_TOPK if top_k else 0)
+                | (_F_TOPP if p.top_p < 1.0 else 0)
+                | (_F_MINP if p.min_p > 0.0 else 0)
+                | (_F_SEEDED if p.seed is not None else 0)
+            )
+        pen_row = 0
+        if p.has_penalties:
+            features |= _F_PENALTY
+            pen_row = self._open_pen_row(cfg.prompt_token_ids)
+        slot = self._take_slot()
+        self._params[slot] = torch.tensor(
+            (
+                1.0 if greedy else p.temperature,
+                p.top_p - ops.TOP_P_EPS if p.top_p < 1.0 else 2.0,
+                ops.log_min_p(p.min_p),
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+                float(top_k),
+                1.0 if greedy else 0.0,
+            )
+        )
+        self._reqs[request_id] = _Request(
+            params=p,
+            slot=slot,
+            pen_row=pen_row,
+            features=features,
+            top_k=top_k,
+            logprobs=p.logprobs,
+            seed_base=None if p.seed is None else ops.seed_base(p.seed),
+        )
+
+    def remove_request(self, request_id: str) -> None:
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return
+        self._params[req.slot] = torch.tensor(_IDENTITY_ROW)
+        self._free_slots.append(req.slot)
+        if req.pen_row:
+            self._free_pen_rows.append(req.pen_row)
+
+    def num_output_tokens(self, request_id: str) -> int:
+        """Tokens committed so far (the seeded-noise counter)."""
+        return self._reqs[request_id].num_output
+
+    def record(self, request_id: str, token_id: int) -> None:
+        """Record one output token outside a step (e.g. replaying outputs after a recompute)."""
+        req = self._reqs[request_id]
+        req.num_output += 1
+        if req.pen_row:
+            self._counts[req.pen_row, token_id] += 1.0
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            old = self._params.shape[0]
+            grown = torch.empty((2 * old, _NCOLS), dtype=torch.float32, device=self.device)
+            grown[:old] = self._params
+            grown[old:] = torch.tensor(_IDENTITY_ROW)
+            self._params = grown
+            self._free_slots = list(range(2 * old - 1, old - 1, -1))
+        return self._free_slots.pop()
+
+    def _open_pen_row(self, prompt: Sequence[int]) -> int:
+        if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
+            raise ValueError(f"prompt token id outside the vocabulary [0, {self.vocab_size})")
+        if not self._free_pen_rows:
+            old = self._counts.shape[0]
+            new = max(4, 2 * old)
+            counts = torch.zeros((new, self.vocab_size), dtype=torch.float32, device=self.device)
+            mask = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
+            counts[:old] = self._counts
+            mask[:old] = self._prompt_mask
+            self._counts, self._prompt_mask = counts, mask
+            self._free_pen_rows = list(range(new - 1, max(old, 1) - 1, -1))
+        row = self._free_pen_rows.pop()
+        self._counts[row].zero_()
+        self._prompt_mask[row].zero_()
+        if prompt:
+            ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+            self._prompt_mask[row].index_fill_(0, ids, True)
+        return row
+
+    # -- per step ------------------------------------------------------------------------------
+    def plan(self, step: ResourceStep, ctx: StepContext) -> SamplerPlan:
+        """Gather each row's parameters once; rows follow `step.segments` (one row each)."""
+        self._pending = None
+        segments = step.segments or ()
+        real = set(ctx.request_ids)
+        rids = tuple(seg.request_id for seg in segments)
+        slots: list[int] = []
+        pen_rows: list[int] = []
+        commit_rows: list[int] = []
+        seeded_rows: list[int] = []
+        seeded_keys: list[int] = []
+        logprob_rows: list[tuple[int, int]] = []
+        any_bits = 0
+        n_greedy = 0
+        top_k_max = 0
+        any_random = False
+        for i, rid in enumerate(rids):
+            req = self._reqs.get(rid)
+            if req is None:  # a padding row: greedy over identity parameters, never recorded
+                slots.append(0)
+                pen_rows.append(0)
+                n_greedy += 1
+                continue
+            if rid in real:
+                commit_rows.append(i)
+            bits = req.features
+            any_bits |= bits
+            slots.append(req.slot)
+            pen_rows.append(req.pen_row)
+            if bits & _F_GREEDY:
+                n_greedy += 1
+            elif req.seed_base is not None:
+                seeded_rows.append(i)
+                seeded_keys.append(ops.row_key(req.seed_base, req.num_output))
+            else:
+                any_random = True
+            if req.top_k > top_k_max:
+                top_k_max = req.top_k
+            if req.logprobs is not None:
+                logprob_rows.append((i, req.logprobs))
+        n = len(rids)
+        all_greedy = n_greedy == n
+        dev = self.device
+        cols = self._params.index_select(0, torch.tensor(slots, dtype=torch.int64, device=dev))
+        use_pen = bool(any_bits & _F_PENALTY)
+
+        def col(c: int, live: bool) -> torch.Tensor | None:
+            return cols[:, c : c + 1] if live else None
+
+        return SamplerPlan(
+            request_ids=rids,
+            commit_rows=tuple(commit_rows),
+            all_greedy=all_greedy,
+            greedy=None if all_greedy or n_greedy == 0 else cols[:, _GREEDY] > 0,
+            temperature=col(_TEMP, not all_greedy),
+            top_k=cols[:, _TOP_K : _TOP_K + 1].long() if any_bits & _F_TOPK else None,
+            top_k_max=top_k_max,
+            top_p_cut=col(_TOP_P_CUT, bool(any_bits & _F_TOPP)),
+            log_min_p=col(_LOG_MIN_P, bool(any_bits & _F_MINP)),
+            pen_rows=torch.tensor(pen_rows, dtype=torch.int64, device=dev) if use_pen else None,
+            repetition=col(_REP, use_pen),
+            presence=col(_PRES, use_pen),
+            frequency=col(_FREQ, use_pen),
+            seeded_rows=torch.tensor(seeded_rows, dtype=torch.int64, device=dev)
+            if seeded_rows
+            else None,
+            seeded_keys=torch.tensor(seeded_keys, dtype=torch.int64, device=dev)
+            if seeded_rows
+            else None,
+            any_random=any_random,
+            logprob_rows=tuple(logprob_rows),
+        )
+
+    def process_logits(self, plan: SamplerPlan, logits: torch.Tensor) -> torch.Tensor:
+        """The logits sampling draws from (penalties, temperature, filters applied); a copy."""
+        return self._process(plan, logits)[0].to(torch.float32, copy=True)
+
+    def sample(self, plan: SamplerPlan, logits: torch.Tensor) -> SampleOutput:
+        """Draw one token per row of `logits` `[rows, vocab]`; state moves only at commit."""
+        x, greedy_tok = self._process(plan, logits)
+        if plan.all_greedy:
+            assert greedy_tok is not None
+            tokens = greedy_tok
+        else:
+            noise = self._noise_for(plan, x.shape[0])
+            tokens = x.add_(noise).argmax(dim=1)
+            if greedy_tok is not None:
+                assert plan.greedy is not None
+                tokens = torch.where(plan.greedy, greedy_tok, tokens)
+        token_list: list[int] = tokens.tolist()
+        self._pending = (plan, tokens)
+        return SampleOutput(token_list, self._logprobs(plan, logits, tokens, token_list), tokens)
+
+    def commit(self, step: ResourceStep, ctx: StepContext) -> None:
+        """Record the tokens `sample` drew for this step: counters and penalty counts advance."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        plan, tokens = pending
+        segments = step.segments or ()
+        if tuple(seg.request_id for seg in segments) != plan.request_ids:
+            raise RuntimeError("sampler commit does not match the step its tokens were drawn for")
+        pen_slots: list[int] = []
+        pen_batch_rows: list[int] = []
+        for i in plan.commit_rows:
+            req = self._reqs.get(plan.request_ids[i])
+            if req is None:
+                continue
+            req.num_output += 1
+            if req.pen_row:
+                pen_slots.append(req.pen_row)
+                pen_batch_rows.append(i)
+        if pen_slots:
+            dev = self.device
+            toks = tokens.index_select(0, torch.tensor(pen_batch_rows, device=dev))
+            rows = torch.tensor(pen_slots, dtype=torch.int64, device=dev)
+            self._counts.index_put_((rows, toks), torch.ones((), device=dev), accumulate=True)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _process(
+        self, plan: SamplerPlan, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, vocab = logits.shape
+        if n != plan.num_rows:
+            raise ValueError(f"logits have {n} rows, the plan {plan.num_rows}")
+        if vocab != self.vocab_size:
+            raise ValueError(f"logits have vocab {vocab}, the sampler {self.vocab_size}")
+        if plan.all_greedy and plan.pen_rows is None:  # the fast path: nothing to rewrite
+            return logits, logits.argmax(dim=1)
+        if self._work.shape[0] < n:
+            self._work = torch.empty((n, vocab), dtype=torch.float32, device=self.device)
+        x = self._work[:n]
+        x.copy_(logits)
+        if plan.pen_rows is not None:
+            assert plan.repetition is not None and plan.presence is not None
+            assert plan.frequency is not None
+            ops.apply_penalties_(
+                x,
+                self._counts.index_select(0, plan.pen_rows),
+                self._prompt_mask.index_select(0, plan.pen_rows),
+                plan.repetition,
+                plan.presence,
+                plan.frequency,
+            )
+        greedy_tok = x.argmax(dim=1) if plan.all_greedy or plan.greedy is not None else None
+        if plan.all_greedy:
+            return x, greedy_tok
+        assert plan.temperature is not None
+        x.div_(plan.temperature)
+        if plan.top_k is not None or plan.top_p_cut is not None:
+            ops.apply_top_k_top_p_(x, plan.top_k, plan.top_k_max, plan.top_p_cut)
+        if plan.log_min_p is not None:
+            ops.apply_min_p_(x, plan.log_min_p)
+        return x, greedy_tok
+
+    def _noise_for(self, plan: SamplerPlan, n: int) -> torch.Tensor:
+        if self._noise.shape[0] < n:
+            self._noise = torch.empty((n, self.vocab_size), dtype=torch.float32, device=self.device)
+        noise = self._noise[:n]
+        if plan.any_random:
+            ops.random_gumbel_(noise, self.generator)
+        else:
+            noise.zero_()
+        if plan.seeded_rows is not None:
+            assert plan.seeded_keys is not None
+            if self._vhash is None:
+                self._vhash = ops.vocab_hash(self.vocab_size, self.device)
+            noise.index_copy_(0, plan.seeded_rows, ops.seeded_gumbel(plan.seeded_keys, self._vhash))
+        return noise
+
+    def _logprobs(
+        self,
+        plan: SamplerPlan,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        token_list: list[int],
+    ) -> list[TokenLogprob | None] | None:
+        if not plan.logprob_rows:
+            return None
+        rows = [r for r, _ in plan.logprob_rows]
+        kmax = max(k for _, k in plan.logprob_rows)
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        chosen_lp, top_v, top_i = ops.logprobs_of(
+            logits.index_select(0, idx), tokens.index_select(0, idx), kmax
+        )
+        chosen_l: list[float] = chosen_lp.tolist()
+        top_vl: list[list[float]] = top_v.tolist() if top_v is not None else []
+        top_il: list[list[int]] = top_i.tolist() if top_i is not None else []
+        out: list[TokenLogprob | None] = [None] * plan.num_rows
+        for j, (row, k) in enumerate(plan.logprob_rows):
+            top = tuple(zip(top_il[j][:k], top_vl[j][:k], strict=True)) if k else ()
+            out[row] = TokenLogprob(token_list[row], chosen_l[j], top)
+        return out
