@@ -1,0 +1,393 @@
+"""OpenAI request parsing and validation, and OpenAI-shaped errors.
+
+Every check happens here, before anything reaches the engine, so a bad request is answered
+with a 4xx naming the offending parameter instead of failing deep inside a step. The parsed
+request keeps what the server itself acts on (prompts, `n`, stop strings, streaming, logprob
+shape) next to the engine's `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+
+#: Most choices one request may ask for (OpenAI's own limit for chat).
+MAX_N = 128
+#: Most top alternatives per token (OpenAI: 20 for chat; vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_INT64 = 2**63
+
+
+class APIError(Exception):
+    """An error the client should see as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+# -- typed getters -------------------------------------------------------------------------------
+
+
+def _type_error(name: str, expected: str, value: Any) -> APIError:
+    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__}", name)
+
+
+def _get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _get_int(
+    body: dict[str, Any],
+    name: str,
+    default: int | None,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    # JSON has one number type; 3.0 is accepted as 3, as pydantic does for OpenAI's server.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, "an integer", value)
+    if lo is not None and value < lo:
+        raise bad_request(f"'{name}' must be >= {lo}, got {value}", name)
+    if hi is not None and value > hi:
+        raise bad_request(f"'{name}' must be <= {hi}, got {value}", name)
+    return value
+
+
+def _get_float(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _type_error(name, "a number", value)
+    if not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a finite number", name)
+    return float(value)
+
+
+def _get_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+# -- parsed requests -----------------------------------------------------------------------------
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationRequest:
+    """What the server needs from a completion or chat request, validated.
+
+    `max_tokens=None` means "up to the context"; the handler resolves it once the prompt's
+    length is known (see `resolve_max_tokens`). `top_logprobs` is the number of alternatives
+    per token and is `None` when logprobs were not asked for.
+    """
+
+    kind: Literal["completion", "chat"]
+    model: str | None
+    #: Completions: one entry per prompt. Chat: a single rendered conversation (set later).
+    prompts: list[Prompt]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    top_logprobs: int | None = None
+    echo: bool = False
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def prompt_param(self) -> str:
+        """Which request field holds the prompt, for error bodies."""
+        return "messages" if self.kind == "chat" else "prompt"
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.kind == "chat" else "max_tokens"
+
+    def sampling_params(self, prompt_len: int, max_model_len: int, choice: int) -> SamplingParams:
+        """Engine parameters for one choice of one prompt.
+
+        With a seed, choice `i` uses `seed + i`: choices differ from one another, yet the whole
+        response is reproducible.
+        """
+        max_tokens = resolve_max_tokens(self, prompt_len, max_model_len)
+        seed = self.params.seed
+        if seed is not None and choice:
+            seed = (seed + choice + _INT64) % (2 * _INT64) - _INT64
+        return dataclasses.replace(self.params, max_tokens=max_tokens, seed=seed)
+
+
+def resolve_max_tokens(req: GenerationRequest, prompt_len: int, max_model_len: int) -> int:
+    """The completion budget, refusing (400) what cannot fit in the context."""
+    if prompt_len == 0:
+        raise bad_request("The prompt is empty.", req.prompt_param)
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens, leaving no room for a completion.",
+            req.prompt_param,
+            code="context_length_exceeded",
+        )
+    room = max_model_len - prompt_len
+    if req.max_tokens is None:
+        return room
+    if req.max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + req.max_tokens} tokens ({prompt_len} in the "
+            f"{req.prompt_param}, {req.max_tokens} in the completion). Please reduce the "
+            f"length of the {req.prompt_param} or the completion.",
+            req.max_tokens_param,
+            code="context_length_exceeded",
+        )
+    return req.max_tokens
+
+
+def _parse_stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if any(s == "" for s in stop):
+        raise bad_request("'stop' strings must not be empty", "stop")
+    return list(dict.fromkeys(stop))
+
+
+def _parse_stop_token_ids(body: dict[str, Any]) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not _is_token_list(ids):
+        raise bad_request("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    return list(ids)
+
+
+def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
+    """Fields shared by both routes; returns GenerationRequest keyword arguments."""
+    model = _get_str(body, "model")
+    n = _get_int(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    stream = _get_bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not stream:
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true", "stream_options"
+            )
+        if not isinstance(stream_options, dict):
+            raise _type_error("stream_options", "an object", stream_options)
+        include_usage = _get_bool(stream_options, "include_usage", False)
+    if kind == "chat":
+        max_tokens = _get_int(body, "max_completion_tokens", None, 1)
+        if max_tokens is None:
+            max_tokens = _get_int(body, "max_tokens", None, 1)
+    else:
+        max_tokens = _get_int(body, "max_tokens", 16, 1)
+    best_of = _get_int(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' other than 'n' is not supported", "best_of")
+    logit_bias = body.get("logit_bias")
+    if logit_bias:
+        raise bad_request("'logit_bias' is not supported", "logit_bias")
+
+    seed = _get_int(body, "seed", None, -_INT64, _INT64 - 1)
+    top_k = _get_int(body, "top_k", 0, -1)
+    assert top_k is not None
+    try:
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=_get_float(body, "temperature", 1.0),
+            top_p=_get_float(body, "top_p", 1.0),
+            top_k=top_k,
+            min_p=_get_float(body, "min_p", 0.0),
+            seed=seed,
+            repetition_penalty=_get_float(body, "repetition_penalty", 1.0),
+            presence_penalty=_get_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_get_float(body, "frequency_penalty", 0.0),
+            stop_token_ids=_parse_stop_token_ids(body),
+            ignore_eos=_get_bool(body, "ignore_eos", False),
+        )
+    except InvalidParameter as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    return {
+        "kind": kind,
+        "model": model,
+        "n": n,
+        "stream": stream,
+        "include_usage": include_usage,
+        "max_tokens": max_tokens,
+        "stop": _parse_stop(body),
+        "include_stop_str_in_output": _get_bool(body, "include_stop_str_in_output", False),
+        "skip_special_tokens": _get_bool(body, "skip_special_tokens", True),
+        "params": params,
+    }
+
+
+def _with_logprobs(kwargs: dict[str, Any], top: int | None) -> GenerationRequest:
+    req = GenerationRequest(prompts=[], **kwargs)
+    req.top_logprobs = top
+    req.params = dataclasses.replace(req.params, logprobs=top)
+    return req
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def parse_completion_request(body: Any) -> GenerationRequest:
+    """Validate a `/v1/completions` body."""
+    body = _require_object(body)
+    kwargs = _common(body, "completion")
+    if body.get("suffix") is not None:
+        raise bad_request("'suffix' is not supported", "suffix")
+    echo = _get_bool(body, "echo", False)
+    top = _get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if echo and top is not None:
+        raise bad_request("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
+    req = _with_logprobs(kwargs, top)
+    req.echo = echo
+    req.prompts = _parse_prompts(body.get("prompt"))
+    return req
+
+
+def _parse_prompts(prompt: Any) -> list[Prompt]:
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if _is_token_list(prompt):
+            return [list(prompt)]
+        if all(_is_token_list(p) and p for p in prompt):
+            return [list(p) for p in prompt]
+    raise bad_request(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+        "of token ids, and not empty",
+        "prompt",
+    )
+
+
+def parse_chat_request(body: Any) -> GenerationRequest:
+    """Validate a `/v1/chat/completions` body."""
+    body = _require_object(body)
+    kwargs = _common(body, "chat")
+    want = _get_bool(body, "logprobs", False)
+    top = _get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    if body.get("tools"):
+        raise bad_request("'tools' are not supported", "tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("only 'response_format' {'type': 'text'} is supported", "response_format")
+    req = _with_logprobs(kwargs, (top or 0) if want else None)
+    req.messages = _parse_messages(body.get("messages"))
+    return req
+
+
+def _parse_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"'{where}' must be an object", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}", "messages"
+            )
+        content = message.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad_request(f"'{where}.content' parts must be text parts", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"'{where}.content' text must be a string", "messages")
+                parts.append(part["text"])
+            text = "".join(parts)
+        else:
+            raise bad_request(f"'{where}.content' must be a string or a list", "messages")
+        entry: dict[str, Any] = {"role": role, "content": text}
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        out.append(entry)
+    return out
