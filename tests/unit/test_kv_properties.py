@@ -8,6 +8,8 @@ match serving another prompt.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -122,6 +124,14 @@ class KVMachine(RuleBasedStateMachine):
         for slot in plan.write_slots.tolist():
             assert owners[slot // PS] == 1, "a shared page is about to be written"
         assert plan.num_tokens == sum(s.span for s in segs)
+        seq_lens = plan.seq_lens.tolist()
+        counts = [b - a for a, b in itertools.pairwise(plan.kv_indptr.tolist())]
+        assert counts == [-(-n // PS) for n in seq_lens]  # sliced to the length, never the mark
+        assert len(plan.kv_indices) == sum(counts)
+        assert all(
+            n == 0 or n - (c - 1) * PS == last
+            for n, c, last in zip(seq_lens, counts, plan.kv_last_page_len.tolist(), strict=True)
+        )
         assert plan.seq_lens.tolist() == [
             p + s.span for p, s in zip(plan.prefix_lens.tolist(), segs, strict=True)
         ]
@@ -129,6 +139,10 @@ class KVMachine(RuleBasedStateMachine):
             [float(self.tokens[s.request_id][t]) for s in segs for t in self._span_positions(s)]
         ).view(-1, 1, 1)
         v = torch.tensor([float(t) for s in segs for t in self._span_positions(s)]).view(-1, 1, 1)
+        if data.draw(st.booleans(), label="forward fails") and data.draw(st.booleans()):
+            # The forward failed: nothing advances, the reserved pages stay as a high-water mark.
+            self.kv.abort_step(step, CTX)
+            return
         self.kv.cache.write_tokens(0, k, v, plan.write_slots)
         self.kv.commit(step, CTX)
 
