@@ -1,0 +1,220 @@
+"""Paged attention backends: a common plan-once/run-per-layer interface, and the torch one.
+
+Every step the engine describes the batch once (``plan``) in FlashInfer's CSR form: sequence i
+owns query rows ``qo_indptr[i]:qo_indptr[i+1]`` (its newest tokens) and KV pages
+``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``, the last one holding ``kv_last_page_len[i]`` tokens.
+Then every layer calls ``run(q, kv_layer)``. Planning once matters: index and mask building is
+per-step work that must not be repeated 30 times.
+
+``TorchPagedAttention`` is the CPU path. It never loops over requests per layer: ``plan`` builds,
+for at most two groups of sequences (decode rows with one query, and extend rows with several),
+a padded page table and a boolean mask; ``run`` gathers whole pages for the group in one
+``index_select`` and calls ``scaled_dot_product_attention`` once per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class PagedAttentionBackend(Protocol):
+    """What the engine calls: ``plan`` once per step, ``run`` once per layer."""
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        causal: bool = True,
+    ) -> None: ...
+
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class _Group:
+    """Sequences attended together: padded to ``q_max`` queries and ``pages_max`` pages."""
+
+    page_table: torch.Tensor  # int64 [B * pages_max] page ids (padding -> a valid page)
+    mask: torch.Tensor  # bool [B, 1, q_max, pages_max * page_size]
+    q_rows: torch.Tensor  # int64 [B * q_max] row of q feeding each padded query slot
+    out_src: torch.Tensor  # int64 [n] padded slot of each real query token
+    out_dst: torch.Tensor  # int64 [n] its row in the flat output
+    batch: int
+    q_max: int
+    pages_max: int
+
+
+def kv_lengths(
+    kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Tokens in each sequence's cache: full pages plus the last page's fill."""
+    pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    return (pages - 1) * page_size + kv_last_page_len.to(torch.int64)
+
+
+def validate_plan(
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Reject malformed plans with a message instead of silently reading wrong pages."""
+    n = kv_last_page_len.shape[0]
+    if qo_indptr.shape[0] != n + 1 or kv_indptr.shape[0] != n + 1:
+        raise ValueError("qo_indptr and kv_indptr must have len(kv_last_page_len) + 1 entries")
+    if n == 0:
+        return
+    if int(kv_indptr[-1]) > kv_indices.shape[0]:
+        raise ValueError("kv_indptr points past the end of kv_indices")
+    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
+    n_pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    if bool((q_lens < 0).any()) or bool((n_pages < 1).any()):
+        raise ValueError("every sequence needs >= 0 queries and >= 1 KV page")
+    last = kv_last_page_len.to(torch.int64)
+    if bool(((last < 1) | (last > page_size)).any()):
+        raise ValueError(f"kv_last_page_len must be in [1, {page_size}]")
+    if bool((q_lens > kv_lengths(kv_indptr, kv_last_page_len, page_size)).any()):
+        raise ValueError("a sequence has more queries than KV tokens (write K/V before attending)")
+
+
+class TorchPagedAttention:
+    """Batched paged attention in plain torch (CPU, or any device as a reference)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._groups: list[_Group] = []
+        self._num_tokens = 0
+        self._num_qo_heads = 0
+        self._num_kv_heads = 0
+        self._head_dim = 0
+        self._page_size = 0
+        self._scale = 1.0
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        causal: bool = True,
+    ) -> None:
+        """Build gather indices and masks for this step (int32 CPU inputs)."""
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} not a multiple of {num_kv_heads}")
+        validate_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
+        self._num_qo_heads = num_qo_heads
+        self._num_kv_heads = num_kv_heads
+        self._head_dim = head_dim
+        self._page_size = page_size
+        self._scale = head_dim**-0.5
+        qo = qo_indptr.to(torch.int64).cpu()
+        kvp = kv_indptr.to(torch.int64).cpu()
+        self._num_tokens = int(qo[-1]) if qo.numel() else 0
+        q_lens = qo[1:] - qo[:-1]
+        kv_lens = kv_lengths(kvp, kv_last_page_len.cpu(), page_size)
+        seqs = torch.arange(q_lens.shape[0])
+        self._groups = []
+        # Decode rows (one query) and extend rows (several) are padded separately, so one long
+        # prefill does not pad every decode row to its length.
+        for selected in (seqs[q_lens == 1], seqs[q_lens > 1]):
+            if selected.numel():
+                self._groups.append(
+                    self._build_group(
+                        selected,
+                        qo,
+                        kvp,
+                        kv_indices.to(torch.int64).cpu(),
+                        q_lens,
+                        kv_lens,
+                        causal,
+                    )
+                )
+
+    def _build_group(
+        self,
+        seqs: torch.Tensor,
+        qo: torch.Tensor,
+        kvp: torch.Tensor,
+        kv_indices: torch.Tensor,
+        q_lens_all: torch.Tensor,
+        kv_lens_all: torch.Tensor,
+        causal: bool,
+    ) -> _Group:
+        page_size = self._page_size
+        batch = int(seqs.numel())
+        q_lens = q_lens_all[seqs]
+        kv_lens = kv_lens_all[seqs]
+        n_pages = kvp[seqs + 1] - kvp[seqs]
+        q_max = int(q_lens.max())
+        pages_max = int(n_pages.max())
+        # Page table: page j of sequence b, padded with the sequence's first page (masked out).
+        j = torch.arange(pages_max)
+        page_pos = kvp[seqs][:, None] + torch.minimum(j[None, :], (n_pages - 1)[:, None])
+        page_table = kv_indices[page_pos]
+        # Mask: key k visible to query r iff k < kv_len and (causally) k <= kv_len - q_len + r.
+        keys = torch.arange(pages_max * page_size)
+        rows = torch.arange(q_max)
+        if causal:
+            limit = (kv_lens - q_lens)[:, None] + rows[None, :]  # [B, q_max] last visible key
+        else:
+            limit = (kv_lens - 1)[:, None].expand(batch, q_max)
+        mask = keys[None, None, :] <= limit[:, :, None]
+        # Padded query rows see key 0 only, so their softmax stays finite; they are dropped.
+        real = rows[None, :] < q_lens[:, None]  # [B, q_max]
+        mask = mask & real[:, :, None]
+        mask[:, :, 0] |= ~real
+        q_rows = qo[seqs][:, None] + torch.minimum(rows[None, :], (q_lens - 1)[:, None])
+        slot = torch.arange(batch * q_max).view(batch, q_max)
+        dev = self.device
+        return _Group(
+            page_table=page_table.reshape(-1).to(dev),
+            mask=mask.unsqueeze(1).to(dev),
+            q_rows=q_rows.reshape(-1).to(dev),
+            out_src=slot[real].to(dev),
+            out_dst=q_rows[real].to(dev),
+            batch=batch,
+            q_max=q_max,
+            pages_max=pages_max,
+        )
+
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """Attention for q [T, Hq, D] against one layer's cache; returns [T, Hq, D]."""
+        if q.shape[0] != self._num_tokens:
+            raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
+        out = q.new_empty(q.shape)
+        keys_view = kv_layer[:, 0]  # [P, S, Hkv, D], strided
+        values_view = kv_layer[:, 1]
+        hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
+        for g in self._groups:
+            length = g.pages_max * self._page_size
+            k = keys_view.index_select(0, g.page_table).view(g.batch, length, hkv, d)
+            v = values_view.index_select(0, g.page_table).view(g.batch, length, hkv, d)
+            qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=g.mask,
+                scale=self._scale,
+                enable_gqa=hq != hkv,
+            )  # [B, Hq, q_max, D]
+            flat = o.transpose(1, 2).reshape(g.batch * g.q_max, hq, d)
+            out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
+        return out
