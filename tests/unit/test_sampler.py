@@ -136,6 +136,37 @@ def test_top_k_draws_only_from_the_k_best() -> None:
     assert len(seen_all) > 4  # the unfiltered neighbour row is untouched by its neighbour's k
 
 
+def test_each_row_is_filtered_the_same_alone_or_batched() -> None:
+    """Rows of every filter combination, batched in ways that take each kernel path (partial
+    top-k, full sort) and each neighbour's parameters, come out as they do alone."""
+    configs = {
+        "none": cfg(temperature=0.9),
+        "k": cfg(top_k=5),
+        "p": cfg(top_p=0.6),
+        "kp": cfg(top_k=7, top_p=0.5),
+        "kp_wide": cfg(top_k=20, top_p=0.8, min_p=0.05),
+        "m": cfg(temperature=1.4, min_p=0.2),
+        "pen": cfg([1, 2, 3], repetition_penalty=1.3, top_k=4),
+    }
+    res = SamplerResource(V)
+    for rid, c in configs.items():
+        res.ingest_request(rid, c)
+    g = torch.Generator().manual_seed(21)
+    own = {rid: torch.randn(1, V, generator=g) * 2 for rid in configs}
+    alone = {rid: res.process_logits(plan_of(res, [rid]), own[rid]) for rid in configs}
+    for rid, kept in alone.items():
+        assert 0 < int(torch.isfinite(kept).sum()) <= V, rid
+    for batch in (
+        ["none", "k", "kp"],  # top-p only where top-k is on: partial top-k path
+        ["kp", "p", "none"],  # a top-p-only row forces the full sort
+        list(configs),
+        ["kp_wide", "m", "pen", "k"],
+    ):
+        got = res.process_logits(plan_of(res, batch), torch.cat([own[r] for r in batch]))
+        for i, rid in enumerate(batch):
+            assert torch.equal(got[i], alone[rid][0]), (batch, rid)
+
+
 # -- penalties ---------------------------------------------------------------------------------
 
 RAW = [2.0, 1.0, -1.0, 3.0, -2.0, 0.5]

@@ -111,6 +111,7 @@ def apply_top_k_top_p_(
     top_k: torch.Tensor | None,
     top_k_max: int,
     top_p_cut: torch.Tensor | None,
+    top_p_in_top_k: bool = False,
 ) -> torch.Tensor:
     """Mask to -inf every logit outside each row's top-k and then top-p (nucleus) set.
 
@@ -118,26 +119,33 @@ def apply_top_k_top_p_(
     host knows it, so there is no device sync to find it). `top_p_cut` is `[rows, 1]` holding
     `p - TOP_P_EPS`, or 2.0 for an off row. Top-p keeps the smallest prefix of the sorted
     distribution whose mass reaches p: token i stays while the mass before it is below p. Ties
-    at a threshold are all kept, as a threshold-by-value mask must.
+    at a threshold are all kept, as a threshold-by-value mask must. `top_p_in_top_k` says every
+    row with top-p on also has a k, which lets the top-p pass work on the top `kmax` only.
     """
     vocab = x.shape[1]
-    if top_p_cut is None:
-        assert top_k is not None
+    if top_k is not None and (top_p_cut is None or top_p_in_top_k):
+        # Every filtered row has a k: the top `kmax` values hold all that can survive, so a
+        # partial top-k replaces the full-vocabulary sort.
         kmax = min(top_k_max, vocab)
         vals = x.topk(kmax, dim=1).values
         idx = top_k.clamp(1, kmax).sub_(1)
         thr = torch.where(top_k > 0, vals.gather(1, idx), NEG_INF)
-        return x.masked_fill_(x < thr, NEG_INF)
-    vals = x.sort(dim=1, descending=True).values
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp_(max=vocab).sub_(1)
-        thr = vals.gather(1, k)
-        vals.masked_fill_(vals < thr, NEG_INF)
-    probs = vals.softmax(dim=1)
-    before = probs.cumsum(dim=1).sub_(probs)
-    count = (before < top_p_cut).sum(dim=1, keepdim=True).clamp_(min=1)
-    thr_p = vals.gather(1, count.sub_(1))
-    thr = thr_p if top_k is None else torch.maximum(thr, thr_p)
+    else:
+        vals = x.sort(dim=1, descending=True).values
+        thr = None
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, vocab).clamp_(max=vocab).sub_(1)
+            thr = vals.gather(1, k)
+    if top_p_cut is not None:
+        if thr is not None:
+            vals.masked_fill_(vals < thr, NEG_INF)
+        probs = vals.softmax(dim=1)
+        before = probs.cumsum(dim=1).sub_(probs)
+        count = (before < top_p_cut).sum(dim=1, keepdim=True).clamp_(min=1)
+        # A row with top-p off keeps everything (its cut of 2.0 would pick the last kept value).
+        thr_p = torch.where(top_p_cut < 1.0, vals.gather(1, count.sub_(1)), NEG_INF)
+        thr = thr_p if thr is None else torch.maximum(thr, thr_p)
+    assert thr is not None
     return x.masked_fill_(x < thr, NEG_INF)
 
 

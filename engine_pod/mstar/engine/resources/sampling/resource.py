@@ -66,6 +66,8 @@ class SamplerPlan:
     top_k: torch.Tensor | None
     top_k_max: int
     top_p_cut: torch.Tensor | None
+    #: Every row with top-p on also has top-k on (top-p then needs only the top `top_k_max`).
+    top_p_in_top_k: bool
     log_min_p: torch.Tensor | None
     #: Penalty inputs: table rows of each batch row (0 = the all-zero row) and parameters.
     pen_rows: torch.Tensor | None
@@ -242,6 +244,7 @@ class SamplerResource(Resource):
         n_greedy = 0
         top_k_max = 0
         any_random = False
+        top_p_alone = False
         for i, rid in enumerate(rids):
             req = self._reqs.get(rid)
             if req is None:  # a padding row: greedy over identity parameters, never recorded
@@ -253,6 +256,8 @@ class SamplerResource(Resource):
                 commit_rows.append(i)
             bits = req.features
             any_bits |= bits
+            if bits & (_F_TOPP | _F_TOPK) == _F_TOPP:
+                top_p_alone = True
             slots.append(req.slot)
             pen_rows.append(req.pen_row)
             if bits & _F_GREEDY:
@@ -284,6 +289,7 @@ class SamplerResource(Resource):
             top_k=cols[:, _TOP_K : _TOP_K + 1].long() if any_bits & _F_TOPK else None,
             top_k_max=top_k_max,
             top_p_cut=col(_TOP_P_CUT, bool(any_bits & _F_TOPP)),
+            top_p_in_top_k=not top_p_alone,
             log_min_p=col(_LOG_MIN_P, bool(any_bits & _F_MINP)),
             pen_rows=torch.tensor(pen_rows, dtype=torch.int64, device=dev) if use_pen else None,
             repetition=col(_REP, use_pen),
@@ -376,7 +382,9 @@ class SamplerResource(Resource):
         assert plan.temperature is not None
         x.div_(plan.temperature)
         if plan.top_k is not None or plan.top_p_cut is not None:
-            ops.apply_top_k_top_p_(x, plan.top_k, plan.top_k_max, plan.top_p_cut)
+            ops.apply_top_k_top_p_(
+                x, plan.top_k, plan.top_k_max, plan.top_p_cut, plan.top_p_in_top_k
+            )
         if plan.log_min_p is not None:
             ops.apply_min_p_(x, plan.log_min_p)
         return x, greedy_tok
