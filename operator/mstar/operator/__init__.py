@@ -1,0 +1,1 @@
+"""The mstar Kubernetes operator: MStarDeployment -> engine Deployment, Service, ConfigMap, HPA."""

@@ -1,0 +1,143 @@
+"""A small dict-in, dict-out facade over the official Kubernetes client.
+
+The reconciler works on plain manifests (what `manifests` builds and `drift` compares), so this
+module hides the typed models: every read is turned back into the JSON the API server sent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from .spec import GROUP, PLURAL, VERSION
+
+
+class KubeError(Exception):
+    """An API call that failed for a reason other than not-found / already-exists."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+
+
+def load_api_client(kubeconfig: str | None = None) -> kubernetes.client.ApiClient:
+    """In-cluster credentials, else the kubeconfig named here or in $KUBECONFIG (read now).
+
+    `kubernetes` reads $KUBECONFIG once at import; reading it here means a test (or a user) that
+    sets it later still gets the cluster it asked for.
+    """
+    configuration = kubernetes.client.Configuration()
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    if path is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    else:
+        kubernetes.config.load_kube_config(
+            config_file=path or os.path.expanduser("~/.kube/config"),
+            client_configuration=configuration,
+        )
+    return kubernetes.client.ApiClient(configuration)
+
+
+class Kube:
+    """get / create / patch / delete for the kinds the operator owns, plus its own CR."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self.api_client = api_client
+        core = kubernetes.client.CoreV1Api(api_client)
+        apps = kubernetes.client.AppsV1Api(api_client)
+        hpa = kubernetes.client.AutoscalingV2Api(api_client)
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self._ops: dict[str, tuple[Callable[..., Any], ...]] = {
+            "ConfigMap": (
+                core.read_namespaced_config_map,
+                core.create_namespaced_config_map,
+                core.patch_namespaced_config_map,
+                core.delete_namespaced_config_map,
+            ),
+            "Service": (
+                core.read_namespaced_service,
+                core.create_namespaced_service,
+                core.patch_namespaced_service,
+                core.delete_namespaced_service,
+            ),
+            "Deployment": (
+                apps.read_namespaced_deployment,
+                apps.create_namespaced_deployment,
+                apps.patch_namespaced_deployment,
+                apps.delete_namespaced_deployment,
+            ),
+            "HorizontalPodAutoscaler": (
+                hpa.read_namespaced_horizontal_pod_autoscaler,
+                hpa.create_namespaced_horizontal_pod_autoscaler,
+                hpa.patch_namespaced_horizontal_pod_autoscaler,
+                hpa.delete_namespaced_horizontal_pod_autoscaler,
+            ),
+        }
+
+    def _dict(self, obj: Any) -> dict[str, Any]:
+        if isinstance(obj, dict):
+            return obj
+        out = self.api_client.sanitize_for_serialization(obj)
+        assert isinstance(out, dict)
+        return out
+
+    @staticmethod
+    def _fail(exc: ApiException) -> KubeError:
+        return KubeError(int(exc.status or 0), str(exc.reason), str(exc.body)[:500])
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._dict(self._ops[kind][0](name, namespace))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise self._fail(exc) from exc
+
+    def create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The created object, or None if one by that name already exists (409)."""
+        try:
+            return self._dict(self._ops[kind][1](namespace, body))
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise self._fail(exc) from exc
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._dict(self._ops[kind][2](name, namespace, body))
+        except ApiException as exc:
+            raise self._fail(exc) from exc
+
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        try:
+            self._ops[kind][3](name, namespace)
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise self._fail(exc) from exc
+
+    def get_cr(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._dict(
+                self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise self._fail(exc) from exc
+
+    def patch_cr_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": status}
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return  # deleted meanwhile: nothing to report on
+            raise self._fail(exc) from exc

@@ -1,0 +1,44 @@
+"""`mstar-operator`: run the Kopf operator (handlers in `mstar.operator.handlers`)."""
+
+from __future__ import annotations
+
+import argparse
+import kopf
+
+DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mstar-operator", description=__doc__)
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="Watch only this namespace (repeatable; glob patterns allowed). Default: all.",
+    )
+    parser.add_argument(
+        "--liveness",
+        default=DEFAULT_LIVENESS,
+        help="URL the liveness endpoint listens on ('' disables).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose)
+    # One active replica (Recreate strategy in the chart): no Kopf peering CRDs needed.
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""Desired child objects of one MStarDeployment, as plain dicts.
+
+Pure functions of (name, namespace, uid, spec): the reconciler compares them with what is live
+and patches the difference, so drift correction and rollouts are the same code path. A `None`
+value means "this field must be absent": merge patches delete it, `strip_none` drops it on create.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+from mstar.engine.config import to_cli_args
+
+from .spec import (
+    API_VERSION,
+    ENGINE_PORT,
+    KIND,
+    MODEL_MOUNT,
+    MStarSpec,
+    engine_config,
+)
+
+MANAGED_BY = "mstar-operator"
+INSTANCE_LABEL = "mstar.dev/deployment"
+ENGINE_CONTAINER = "engine"
+CONFIG_HASH_ANNOTATION = "mstar.dev/config-hash"
+RUN_AS_USER = 1000
+
+
+def labels(name: str) -> dict[str, str]:
+    """Labels on every child: selectors, `kubectl get -l`, the chart's ServiceMonitor."""
+    return {
+        "app.kubernetes.io/name": "mstar-engine",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        INSTANCE_LABEL: name,
+    }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The Deployment's (immutable) selector: only what can never change."""
+    return {"app.kubernetes.io/name": "mstar-engine", INSTANCE_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    """Makes the CR the controller of a child: Kubernetes garbage-collects it with the CR."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(name: str, namespace: str, owner: str, uid: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": labels(owner),
+        "ownerReferences": [owner_reference(owner, uid)],
+    }
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def endpoint(name: str, namespace: str, spec: MStarSpec) -> str:
+    return f"http://{name}.{namespace}.svc:{spec['service']['port']}"
+
+
+def engine_args(spec: MStarSpec) -> list[str]:
+    """The container args: exactly `to_cli_args(EngineConfig)`, the contract with the engine CLI."""
+    return to_cli_args(engine_config(spec))
+
+
+def build_config_map(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any]:
+    """The engine's settings in readable form, mounted at /etc/mstar (and hashed for rollouts)."""
+    config = engine_config(spec)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(config_map_name(name), namespace, name, uid),
+        "data": {
+            "engine-config.json": json.dumps(asdict(config), indent=2, sort_keys=True),
+            "engine-args.json": json.dumps(engine_args(spec)),
+        },
+    }
+
+
+def config_hash(config_map: dict[str, Any]) -> str:
+    text = json.dumps(config_map["data"], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _otel_env(name: str, namespace: str, spec: MStarSpec) -> list[dict[str, Any]]:
+    telemetry = spec["telemetry"]
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "OTEL_SERVICE_NAME", "value": "mstar-engine"},
+        {
+            "name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": (
+                f"k8s.namespace.name={namespace},k8s.pod.name=$(POD_NAME),"
+                f"mstar.deployment={name},gen_ai.request.model={spec.model['name']}"
+            ),
+        },
+        {"name": "OTEL_METRICS_EXPORTER", "value": "none"},
+        {"name": "OTEL_LOGS_EXPORTER", "value": "none"},
+    ]
+    if telemetry.get("otlpEndpoint"):
+        env += [
+            {"name": "OTEL_TRACES_EXPORTER", "value": "otlp"},
+            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": str(telemetry["otlpEndpoint"])},
+            {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": "http/protobuf"},
+            {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+            {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(float(telemetry["samplingRatio"]))},
+        ]
+    else:
+        env.append({"name": "OTEL_TRACES_EXPORTER", "value": "none"})
+    return env
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def build_deployment(
+    name: str, namespace: str, uid: str, spec: MStarSpec, config_map: dict[str, Any]
+) -> dict[str, Any]:
+    """Engine pods: GPU limits, flags from EngineConfig, probes, scrape annotations, OTEL env."""
+    res = spec["resources"]
+    gpus = int(res["gpus"])
+    cpu = str(res["cpu"])
+    cpu = cpu if cpu.endswith("m") else quantity(float(cpu))  # as the API server normalizes it
+    requests: dict[str, Any] = {"cpu": cpu, "memory": str(res["memory"])}
+    limits: dict[str, Any] = {"memory": str(res["memory"])}
+    if gpus > 0:
+        requests[res["gpuResourceName"]] = str(gpus)
+        limits[res["gpuResourceName"]] = str(gpus)
+    source = spec.source
+    cache_env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/cache"},
+        {"name": "HF_HOME", "value": "/cache/huggingface"},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": "/cache"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "engine-config", "mountPath": "/etc/mstar", "readOnly": True},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(res["shmSize"])}},
+        {"name": "engine-config", "configMap": {"name": config_map_name(name)}},
+    ]
+    init_containers: list[dict[str, Any]] | None = None
+    if "pvc" in source:
+        volumes.append(
+            {
+                "name": "models",
+                "persistentVolumeClaim": {
+                    "claimName": source["pvc"]["claimName"],
+                    "readOnly": True,
+                },
+            }
+        )
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif "huggingFace" in source:
+        hf = source["huggingFace"]
+        volumes.append({"name": "models", "emptyDir": {"sizeLimit": str(hf["cacheSize"])}})
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+        init_env: list[dict[str, Any]] = list(cache_env)
+        if hf.get("tokenSecret"):
+            secret = hf["tokenSecret"]
+            init_env.append(
+                {
+                    "name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
+                }
+            )
+        init_containers = [
+            {
+                "name": "fetch-model",
+                "image": spec["image"],
+                "imagePullPolicy": spec["imagePullPolicy"],
+                "command": ["hf", "download", str(hf["id"])],
+                "args": ["--revision", str(hf["revision"]), "--local-dir", f"{MODEL_MOUNT}/hf"],
+                "env": init_env,
+                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+                "securityContext": _container_security(),
+                "volumeMounts": [
+                    {"name": "models", "mountPath": MODEL_MOUNT},
+                    {"name": "cache", "mountPath": "/cache"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
+            }
+        ]
+    telemetry = spec["telemetry"]
+    annotations: dict[str, Any] = {CONFIG_HASH_ANNOTATION: config_hash(config_map)}
+    if telemetry["metrics"]:
+        annotations.update(
+            {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(ENGINE_PORT),
+                "prometheus.io/path": "/metrics",
+            }
+        )
+    scheduling = spec["scheduling"]
+    grace = math.ceil(float(spec.engine["shutdownGraceSeconds"])) + 10
+    container = {
+        "name": ENGINE_CONTAINER,
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["mstar-engine", "serve"],
+        "args": engine_args(spec),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        # The engine never downloads at run time (weights come from the image, a PVC or init).
+        "env": [
+            *_otel_env(name, namespace, spec),
+            *cache_env,
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+        ],
+        "resources": {"requests": requests, "limits": limits},
+        "startupProbe": _probe("/health", 10, 90),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 3),
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace, name, uid),
+        "spec": {
+            "replicas": int(spec["replicas"]),
+            "selector": {"matchLabels": selector_labels(name)},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1800,
+            # Never drop serving capacity during a rollout; a new pod must be Ready first.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {"labels": labels(name), "annotations": annotations},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": grace,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": RUN_AS_USER,
+                        "runAsGroup": RUN_AS_USER,
+                        "fsGroup": RUN_AS_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "initContainers": init_containers,
+                    "containers": [container],
+                    "volumes": volumes,
+                    "nodeSelector": scheduling.get("nodeSelector") or None,
+                    "tolerations": scheduling.get("tolerations") or None,
+                    "priorityClassName": scheduling.get("priorityClassName") or None,
+                },
+            },
+        },
+    }
+
+
+def build_service(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any]:
+    service = spec["service"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, namespace, name, uid),
+        "spec": {
+            "type": service["type"],
+            "selector": selector_labels(name),
+            "ports": [
+                {
+                    "name": "http",
+                    "port": int(service["port"]),
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def quantity(value: float) -> str:
+    """A Kubernetes quantity for an HPA target: 4 -> "4", 0.5 -> "500m"."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{round(float(value) * 1000)}m"
+
+
+def build_hpa(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any] | None:
+    """Scales the MStarDeployment itself (scale subresource), so spec.replicas stays the truth."""
+    auto = spec.autoscaling
+    if not auto:
+        return None
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(name, namespace, name, uid),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
+            "minReplicas": int(auto["minReplicas"]),
+            "maxReplicas": int(auto["maxReplicas"]),
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": str(auto["metricName"])},
+                        "target": {
+                            "type": "AverageValue",
+                            "averageValue": quantity(auto["targetWaitingRequestsPerReplica"]),
+                        },
+                    },
+                }
+            ],
+        },
+    }
+
+
+def build_children(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any]:
+    """Kind -> desired object (HorizontalPodAutoscaler -> None when autoscaling is unset)."""
+    config_map = build_config_map(name, namespace, uid, spec)
+    return {
+        "ConfigMap": config_map,
+        "Deployment": build_deployment(name, namespace, uid, spec, config_map),
+        "Service": build_service(name, namespace, uid, spec),
+        "HorizontalPodAutoscaler": build_hpa(name, namespace, uid, spec),
+    }
+
+
+def strip_none(value: Any) -> Any:
+    """Drop the `None` markers (for create, where absence is the default)."""
+    if isinstance(value, dict):
+        return {k: strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [strip_none(v) for v in value]
+    return value
+
+
+def drift(desired: Any, live: Any, path: str = "") -> list[str]:
+    """Paths where `live` differs from `desired`, ignoring fields the server or others added.
+
+    Dicts compare by the desired keys only (a `None` desired means absent); lists compare item by
+    item with the same length. Server-side defaults therefore never look like drift, while a hand
+    edit of anything the operator sets does.
+    """
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return [path or "/"]
+        out: list[str] = []
+        for key, want in desired.items():
+            sub = f"{path}.{key}" if path else key
+            if want is None:
+                if live.get(key) not in (None, {}, []):
+                    out.append(sub)
+            else:
+                out += drift(want, live.get(key), sub)
+        return out
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return [path]
+        out = []
+        for i, (want, have) in enumerate(zip(desired, live, strict=True)):
+            out += drift(want, have, f"{path}[{i}]")
+        return out
+    if isinstance(desired, str) and isinstance(live, (int, float)) and not isinstance(live, bool):
+        return [] if desired == str(live) else [path]
+    return [] if desired == live else [path]

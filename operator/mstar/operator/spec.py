@@ -1,0 +1,248 @@
+"""An `MStarDeployment` spec, defaulted and checked, and its engine flags.
+
+The API server applies the CRD's schema defaults, but the operator fills the same defaults itself
+so that it behaves the same against an older CRD or a server that skipped them (tests check the
+two sets agree). Checks the schema cannot express (relations between fields) live here: a spec
+that fails them becomes a `Degraded` condition, never an exception escaping a handler.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mstar.engine.config import EngineConfig
+
+GROUP = "mstar.dev"
+VERSION = "v1alpha1"
+PLURAL = "mstardeployments"
+KIND = "MStarDeployment"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+ENGINE_PORT = 8000  # inside the pod; the Service maps spec.service.port onto it
+MODEL_MOUNT = "/models"
+
+# Same values as the CRD's `default:` keywords (tests/operator/test_crd_schema.py compares).
+DEFAULTS: dict[str, Any] = {
+    "image": "ghcr.io/mstar-project/mstar-engine:0.1.0",
+    "imagePullPolicy": "IfNotPresent",
+    "replicas": 1,
+    "resources": {
+        "gpus": 1,
+        "gpuResourceName": "nvidia.com/gpu",
+        "cpu": "4",
+        "memory": "32Gi",
+        "shmSize": "2Gi",
+    },
+    "engine": {
+        "pageSize": 16,
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 2048,
+        "cudaGraphBatchSizes": [1, 2, 4, 8, 16, 32, 64],
+        "enforceEager": False,
+        "evictionPolicy": "lru",
+        "hostOffloadGiB": 1,
+        "enablePrefixCaching": True,
+        "dtype": "auto",
+        "maxWaitingRequests": 256,
+        "shutdownGraceSeconds": 30,
+    },
+    "telemetry": {"samplingRatio": 1, "metrics": True},
+    "service": {"type": "ClusterIP", "port": 8000},
+    "scheduling": {},
+}
+AUTOSCALING_DEFAULTS: dict[str, Any] = {
+    "minReplicas": 1,
+    "targetWaitingRequestsPerReplica": 4,
+    "metricName": "mstar_num_requests_waiting",
+}
+SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "pvc": {"subPath": ""},
+    "huggingFace": {"revision": "main", "cacheSize": "20Gi"},
+}
+TOKEN_SECRET_DEFAULTS: dict[str, Any] = {"key": "token"}
+
+# CRD engine keys -> EngineConfig fields (the one flag contract with `mstar-engine serve`).
+ENGINE_FIELDS: dict[str, str] = {
+    "numPages": "num_pages",
+    "gpuMemoryUtilization": "gpu_memory_utilization",
+    "pageSize": "page_size",
+    "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens",
+    "maxModelLen": "max_model_len",
+    "cudaGraphBatchSizes": "cuda_graph_batch_sizes",
+    "enforceEager": "enforce_eager",
+    "evictionPolicy": "eviction_policy",
+    "hostOffloadGiB": "host_offload_gb",
+    "enablePrefixCaching": "enable_prefix_caching",
+    "dtype": "dtype",
+    "maxWaitingRequests": "max_waiting_requests",
+    "shutdownGraceSeconds": "shutdown_grace_seconds",
+}
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_UNITS = {
+    None: 1,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+class InvalidSpec(ValueError):
+    """The spec cannot be served as written; `problems` name each field at fault."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _merge_defaults(value: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(value))
+    for key, default in defaults.items():
+        if key not in out or out[key] is None:
+            out[key] = copy.deepcopy(default)
+        elif isinstance(default, Mapping) and isinstance(out[key], Mapping):
+            out[key] = _merge_defaults(out[key], default)
+    return out
+
+
+def quantity_bytes(text: str) -> float:
+    """A memory quantity ("32Gi", "500M") in bytes; ValueError when malformed."""
+    match = _QUANTITY.match(str(text))
+    if not match:
+        raise ValueError(f"not a memory quantity: {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass(frozen=True)
+class MStarSpec:
+    """A defaulted spec (CRD field names kept, so messages match what the user wrote)."""
+
+    raw: dict[str, Any]
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return dict(self.raw["model"])
+
+    @property
+    def source(self) -> dict[str, Any]:
+        return dict(self.raw["model"].get("source") or {})
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        return dict(self.raw["engine"])
+
+    @property
+    def autoscaling(self) -> dict[str, Any] | None:
+        value = self.raw.get("autoscaling")
+        return dict(value) if value else None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+
+def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
+    """Default `spec` and check what the schema cannot; raises InvalidSpec listing every problem."""
+    if not isinstance(spec, Mapping):
+        raise InvalidSpec(["spec: missing"])
+    raw = _merge_defaults(spec, DEFAULTS)
+    problems: list[str] = []
+    model = raw.get("model")
+    if not isinstance(model, Mapping) or not model.get("name"):
+        problems.append("spec.model.name: required")
+        model = {}
+    source = dict(model.get("source") or {})
+    if len(source) > 1:
+        problems.append(
+            f"spec.model.source: set exactly one of path, pvc, huggingFace (got {sorted(source)})"
+        )
+    for kind, defaults in SOURCE_DEFAULTS.items():
+        if isinstance(source.get(kind), Mapping):
+            source[kind] = _merge_defaults(source[kind], defaults)
+    hf = source.get("huggingFace")
+    if isinstance(hf, dict) and isinstance(hf.get("tokenSecret"), Mapping):
+        hf["tokenSecret"] = _merge_defaults(hf["tokenSecret"], TOKEN_SECRET_DEFAULTS)
+    if model:
+        raw["model"] = {**model, "source": source} if source else dict(model)
+    if raw.get("autoscaling"):
+        raw["autoscaling"] = _merge_defaults(raw["autoscaling"], AUTOSCALING_DEFAULTS)
+        auto = raw["autoscaling"]
+        if "maxReplicas" not in auto:
+            problems.append("spec.autoscaling.maxReplicas: required")
+        elif auto["minReplicas"] > auto["maxReplicas"]:
+            problems.append(
+                f"spec.autoscaling: minReplicas ({auto['minReplicas']}) exceeds "
+                f"maxReplicas ({auto['maxReplicas']})"
+            )
+    engine = raw["engine"]
+    if "numPages" in engine and "gpuMemoryUtilization" in engine:
+        problems.append("spec.engine: set numPages or gpuMemoryUtilization, not both")
+    if "numPages" in engine and "maxModelLen" in engine:
+        capacity = engine["numPages"] * engine["pageSize"]
+        if capacity < engine["maxModelLen"]:
+            problems.append(
+                f"spec.engine.maxModelLen ({engine['maxModelLen']}) exceeds the KV capacity "
+                f"numPages*pageSize = {capacity} tokens: one request could never be admitted"
+            )
+    resources = raw["resources"]
+    try:
+        memory = quantity_bytes(resources["memory"])
+        offload = float(engine["hostOffloadGiB"]) * 2**30
+        if offload >= memory:
+            problems.append(
+                f"spec.engine.hostOffloadGiB ({engine['hostOffloadGiB']} GiB) does not fit in "
+                f"spec.resources.memory ({resources['memory']})"
+            )
+    except ValueError as exc:
+        problems.append(f"spec.resources.memory: {exc}")
+    if not problems:
+        try:
+            engine_config(MStarSpec(raw))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"spec.engine: {exc}")
+    if problems:
+        raise InvalidSpec(problems)
+    return MStarSpec(raw)
+
+
+def model_path(spec: MStarSpec) -> str | None:
+    """The checkpoint folder the engine is given, as seen inside the pod."""
+    source = spec.source
+    if "path" in source:
+        return str(source["path"])
+    if "pvc" in source:
+        sub = str(source["pvc"].get("subPath") or "").strip("/")
+        return f"{MODEL_MOUNT}/{sub}" if sub else MODEL_MOUNT
+    if "huggingFace" in source:
+        return f"{MODEL_MOUNT}/hf"
+    return None
+
+
+def engine_config(spec: MStarSpec) -> EngineConfig:
+    """The engine's settings for this spec; rendered with `to_cli_args` into the container."""
+    values: dict[str, Any] = {
+        ENGINE_FIELDS[key]: value for key, value in spec.engine.items() if key in ENGINE_FIELDS
+    }
+    if "cuda_graph_batch_sizes" in values:
+        values["cuda_graph_batch_sizes"] = list(values["cuda_graph_batch_sizes"])
+    for name in ("host_offload_gb", "gpu_memory_utilization", "shutdown_grace_seconds"):
+        if name in values:
+            values[name] = float(values[name])
+    gpus = int(spec["resources"]["gpus"])
+    return EngineConfig(
+        model=model_path(spec),
+        served_model_name=str(spec.model["name"]),
+        host="0.0.0.0",
+        port=ENGINE_PORT,
+        device="cuda" if gpus > 0 else "cpu",
+        **values,
+    )
