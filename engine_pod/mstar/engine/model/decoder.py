@@ -1,0 +1,185 @@
+"""Llama / Qwen2 decoder over a flat token batch.
+
+The decoder knows nothing of requests, pages or the scheduler: a step hands it the tokens of
+every scheduled sequence concatenated (prefill chunks and decode tokens mixed), their absolute
+positions, an ``AttentionContext`` that owns the paged KV cache for this step, and the rows whose
+logits the sampler needs. The math mirrors transformers' LlamaForCausalLM / Qwen2ForCausalLM
+(HF RMSNorm with float32 upcast, rotate_half RoPE) so greedy decoding is token-identical in
+float32. Q/K/V and gate/up projections are fused into one matmul each, which is what makes a
+small model fast on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.engine.model.config import ModelConfig
+from mstar.engine.model.rope import RotaryEmbedding
+
+
+class AttentionContext(Protocol):
+    """Per-step attention over the paged KV cache (the engine implements it)."""
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k/v [T, Hkv, D] for ``layer_idx`` into the cache, return attention [T, Hq, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """HF RMSNorm: normalise in float32, cast back, then scale in the input dtype."""
+
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block with fused QKV and fused gate/up projections."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.inter = cfg.intermediate_size
+        hidden = cfg.hidden_size
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = nn.Linear(hidden, qkv_out, cfg.qkv_bias, device=device, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, hidden, cfg.o_bias, device=device, dtype=dtype)
+        self.gate_up_proj = nn.Linear(
+            hidden, 2 * self.inter, cfg.mlp_bias, device=device, dtype=dtype
+        )
+        self.down_proj = nn.Linear(self.inter, hidden, cfg.mlp_bias, device=device, dtype=dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attn: AttentionContext,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        residual = hidden
+        h = self.input_layernorm(hidden)
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        rope.apply_(q, positions)
+        rope.apply_(k, positions)
+        o = attn.attend(self.layer_idx, q, k, v)
+        h = residual + self.o_proj(o.reshape(t, self.q_size))
+        residual = h
+        x = self.post_attention_layernorm(h)
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return residual + self.down_proj(F.silu(gate) * up)
+
+
+class Decoder(nn.Module):
+    """Llama/Qwen2 causal LM: ``forward`` returns float32 logits for the selected rows only."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+        init_weights: bool = True,
+    ) -> None:
+        """``init_weights=False`` leaves weights uninitialised for a loader to fill (fast)."""
+        super().__init__()
+        self.config = cfg
+        build_on = device if init_weights else "meta"
+        # An explicit _weight skips normal_ init, which on meta tensors imports torch._dynamo.
+        embed_init = None
+        if not init_weights:
+            embed_init = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device="meta")
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=embed_init, device=build_on, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, build_on) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, build_on)
+        self.lm_head = nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, device=build_on, dtype=dtype
+        )
+        if not init_weights:
+            self._materialize(torch.device(device))
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim,
+            max_positions or cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            dtype=dtype,
+            device=device,
+        )
+
+    def _materialize(self, device: torch.device) -> None:
+        """Swap meta parameters for empty real ones (Module.to_empty imports ~500 modules)."""
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    module._parameters[name] = nn.Parameter(empty, requires_grad=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionContext,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run tokens [T] at ``positions`` [T]; logits [n, vocab] for ``logits_indices`` [n]."""
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, self.rope, attn)
+        # The norm is row-wise, so normalising only the sampled rows gives the same numbers.
+        selected = self.norm(hidden[logits_indices])
+        return self.lm_head(selected).float()

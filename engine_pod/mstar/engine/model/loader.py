@@ -1,0 +1,188 @@
+"""Load a Hugging Face checkpoint folder into the engine's ``Decoder``.
+
+Reads config.json, the safetensors weights (one file or shards listed by
+model.safetensors.index.json) and the tokenizer files. Weights are copied straight into a
+decoder allocated without random initialisation, fusing Q/K/V and gate/up on the way, so a
+cached 135M model loads in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mstar.engine.model.config import ModelConfig, ModelLoadError
+from mstar.engine.model.decoder import Decoder
+from mstar.engine.model.tokenizer import Tokenizer
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype) -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ModelLoadError(
+            f"unsupported dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}"
+        ) from None
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the shard index or by listing every *.safetensors file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"cannot parse {index}: {exc}") from exc
+        files = {name: folder / fname for name, fname in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise ModelLoadError(f"missing weight shard {shard.name} listed in {index.name}")
+        return files
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"missing weights: no *.safetensors file in {folder}")
+    files = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                files[name] = shard
+    return files
+
+
+class _WeightReader:
+    """Opens each shard once and hands out tensors by HF name."""
+
+    def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
+        self._files = files
+        self._handles = {
+            shard: stack.enter_context(safe_open(str(shard), framework="pt"))
+            for shard in sorted(set(files.values()))
+        }
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self._files.get(name)
+        if shard is None:
+            raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+        tensor: torch.Tensor = self._handles[shard].get_tensor(name)
+        return tensor
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(
+            f"tensor {name!r} has shape {tuple(src.shape)}, config implies {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+def _fused(reader: _WeightReader, dst: torch.Tensor, names: list[str]) -> None:
+    """Copy several HF tensors into consecutive row blocks of one fused parameter."""
+    row = 0
+    for name in names:
+        src = reader.get(name)
+        _copy(dst[row : row + src.shape[0]], src, name)
+        row += src.shape[0]
+    if row != dst.shape[0]:
+        raise ModelLoadError(f"fused tensors {names} fill {row} rows of {dst.shape[0]}")
+
+
+def _layer_names(i: int) -> Iterator[tuple[str, list[str]]]:
+    pre = f"model.layers.{i}."
+    att = pre + "self_attn."
+    mlp = pre + "mlp."
+    yield "qkv_proj.weight", [att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"]
+    yield "qkv_proj.bias", [att + "q_proj.bias", att + "k_proj.bias", att + "v_proj.bias"]
+    yield "o_proj.weight", [att + "o_proj.weight"]
+    yield "o_proj.bias", [att + "o_proj.bias"]
+    yield "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+    yield "gate_up_proj.bias", [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
+    yield "down_proj.weight", [mlp + "down_proj.weight"]
+    yield "down_proj.bias", [mlp + "down_proj.bias"]
+    yield "input_layernorm.weight", [pre + "input_layernorm.weight"]
+    yield "post_attention_layernorm.weight", [pre + "post_attention_layernorm.weight"]
+
+
+def build_decoder(
+    cfg: ModelConfig,
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+) -> Decoder:
+    """Allocate a decoder without random init and fill it from the folder's safetensors."""
+    model = Decoder(
+        cfg, dtype=dtype, device=device, max_positions=max_positions, init_weights=False
+    )
+    params = dict(model.named_parameters(remove_duplicate=False))
+    files = _weight_files(folder)
+    with ExitStack() as stack, torch.no_grad():
+        # Copies are memory-bound: extra threads add nothing and, on a busy host, spin-wait for
+        # seconds (measured: 0.27 s single-threaded vs 1.2-3.5 s with 2 threads for 540 MB).
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+            stack.callback(torch.set_num_threads, threads)
+        reader = _WeightReader(files, stack)
+        _copy(
+            params["embed_tokens.weight"],
+            reader.get("model.embed_tokens.weight"),
+            "model.embed_tokens.weight",
+        )
+        _copy(params["norm.weight"], reader.get("model.norm.weight"), "model.norm.weight")
+        if not cfg.tie_word_embeddings:
+            if "lm_head.weight" not in reader:
+                raise ModelLoadError(
+                    "checkpoint lacks tensor 'lm_head.weight' and tie_word_embeddings is false"
+                )
+            _copy(params["lm_head.weight"], reader.get("lm_head.weight"), "lm_head.weight")
+        for i in range(cfg.num_layers):
+            for local, names in _layer_names(i):
+                key = f"layers.{i}.{local}"
+                if key in params:
+                    _fused(reader, params[key], names)
+    model.eval()
+    return model
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    *,
+    max_positions: int | None = None,
+) -> tuple[Decoder, ModelConfig, Tokenizer]:
+    """Load a Llama/Qwen2 Hugging Face folder -> (decoder, config, tokenizer).
+
+    Raises ``ModelLoadError`` naming the missing path, file or tensor, or the unsupported
+    architecture.
+    """
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ModelLoadError(f"model path does not exist: {folder}")
+    if not folder.is_dir():
+        raise ModelLoadError(f"model path is not a directory: {folder}")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    torch_dtype = resolve_dtype(dtype)
+    tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
+    decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
+    return decoder, cfg, tokenizer

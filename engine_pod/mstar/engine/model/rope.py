@@ -1,0 +1,78 @@
+"""Rotary position embeddings (HF ``rotate_half`` convention) with Llama-3 frequency scaling.
+
+cos/sin are computed once for every position up to ``max_position_embeddings`` so a step only
+gathers rows by position: sequences in a flat batch sit at unrelated positions, so no per-step
+recomputation over a contiguous range would serve them all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mstar.engine.model.config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim/2] in float32, scaled as the config asks."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band in
+        # between interpolated smoothly between the two.
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope type {scaling.rope_type!r}")
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables [max_positions, head_dim] in the model dtype."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        pos = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        # An outer product, like HF's [d/2,1]@[1,T] matmul: each entry is one float32 product.
+        freqs = pos[:, None] * inv_freq[None, :]
+        half_cos = freqs.cos()
+        half_sin = freqs.sin()
+        # Keep only the half tables: rotate_half's cos/sin are the same half repeated twice.
+        self.cos = half_cos.to(dtype=dtype, device=device)
+        self.sin = half_sin.to(dtype=dtype, device=device)
+
+    def apply_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate ``x`` [T, H, D] in place by ``positions`` [T] (HF rotate_half layout)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        half = self.head_dim // 2
+        x1 = x[..., :half]
+        x2 = x[..., half:]
+        # Same products and sums as HF's x*cos + rotate_half(x)*sin, evaluated per half.
+        new1 = x1 * cos - x2 * sin
+        new2 = x2 * cos + x1 * sin
+        x1.copy_(new1)
+        x2.copy_(new2)
