@@ -64,8 +64,13 @@ def test_second_request_reuses_whole_pages_and_counts_tokens() -> None:
     assert prefill(kv, "b", [*prompt, 7, 7]) == 8
     assert kv.stored_len("b") == 12
     assert kv.prefix_queries == 10 + 12 and kv.prefix_hits == 8
-    assert kv.match_prefix("b", prompt) == 8  # repeated call answers the same, counts nothing
-    assert kv.prefix_queries == 22
+    # A later call changes nothing and answers what the cache holds for the request.
+    assert kv.match_prefix("b", prompt) == 12
+    assert kv.prefix_queries == 22 and kv.prefix_hits == 8
+    kv.ingest_request("c")
+    assert kv.match_prefix("c", prompt) == 8
+    assert kv.match_prefix("c", prompt) == 8  # repeated before admit: same answer, counted once
+    assert kv.prefix_queries == 32 and kv.prefix_hits == 16
 
 
 def test_match_leaves_at_least_one_token_to_compute() -> None:

@@ -145,8 +145,9 @@ class KVCacheResource(Resource):
 
         Whole pages only, at most ``len(token_ids) - 1`` tokens so at least one is computed.
         Call before the request's first admit: it sets the main stream's pages and stored
-        length. A repeated call answers the first result; a stream that already holds state
-        gets 0. Counts ``prefix_queries`` / ``prefix_hits`` in tokens.
+        length. Any later call (or a call on a stream that already holds state) changes nothing
+        and answers the stream's stored length. Counts ``prefix_queries`` / ``prefix_hits`` in
+        tokens, once per request.
         """
         ps = self.page_size
         with self._lock:
@@ -154,10 +155,10 @@ class KVCacheResource(Resource):
             if per is None:
                 raise KeyError(f"match_prefix: request {request_id!r} was never ingested")
             stream = per.setdefault(MAIN_LABEL, Stream())
-            if stream.matched is not None:
-                return stream.matched
-            if stream.pages or stream.stored_len or stream.offloaded:
-                return 0
+            if stream.matched is not None or stream.pages or stream.stored_len or stream.offloaded:
+                # Already matched or already holding state: the truthful answer is how many of
+                # the request's tokens the cache holds; counted once, never re-matched.
+                return stream.stored_len
             self.prefix_queries += len(token_ids)
             pages: list[int] = []
             keys: list[bytes] = []

@@ -12,7 +12,7 @@ class Stream:
     reserved them for a step that was refused elsewhere, or a shrink kept them), and plans slice
     it to the logical length. ``keys`` are the prefix-chain keys of its first ``len(keys)``
     pages (those already offered to the prefix index). ``matched`` is the answer of the
-    request's `match_prefix` call, kept so a repeated call answers the same.
+    request's `match_prefix` call (None until then), so it is matched and counted once.
     """
 
     __slots__ = (
