@@ -354,8 +354,9 @@ class KVCacheResource(Resource):
 
     # -- eviction to host ----------------------------------------------------------------------
     def is_offloaded(self, request_id: str) -> bool:
-        per = self._streams.get(request_id)
-        return per is not None and any(s.offloaded for s in per.values())
+        with self._lock:
+            per = self._streams.get(request_id)
+            return per is not None and any(s.offloaded for s in per.values())
 
     def reclaimable(self, request_id: str) -> int:
         """Device pages an offload would give back now.
