@@ -1,0 +1,183 @@
+"""The engine on tiny random Llama/Qwen2 models: token-exact against transformers, also under
+KV pressure (offload, reload, recomputation), and every refusal and abort path ends cleanly."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from models import TINY_VOCAB, hf_greedy
+
+from mstar.engine.config import EngineConfig
+from mstar.engine.engine import LLMEngine
+from mstar.engine.request import RequestStatus
+from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+
+NEW_TOKENS = 24
+
+
+def _prompts(n: int = 16, seed: int = 7) -> list[list[int]]:
+    """Mixed lengths (some longer than a page), some sharing a long prefix, no EOS token."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, TINY_VOCAB) for _ in range(21)]
+    prompts = []
+    for i in range(n):
+        length = rng.choice([1, 3, 7, 9, 17, 30])
+        tail = [rng.randrange(3, TINY_VOCAB) for _ in range(length)]
+        prompts.append(shared + tail if i % 3 == 0 else tail)
+    return prompts
+
+
+def _engine(folder: Path, **kw: object) -> LLMEngine:
+    cfg = dict(model=str(folder), dtype="float32", device="cpu", page_size=4, seed=0)
+    cfg.update(kw)
+    return LLMEngine.from_config(EngineConfig(**cfg))  # type: ignore[arg-type]
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> list[list[int]]:
+    return hf_greedy(tiny_llama_dir, _prompts(), NEW_TOKENS)
+
+
+def _assert_no_pages_held(engine: LLMEngine) -> None:
+    kv = engine.kv
+    kv.assert_pages_conserved()
+    assert kv.num_host_pages_used == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_greedy_matches_transformers_llama(tiny_llama_dir: Path, reference: list) -> None:
+    engine = _engine(tiny_llama_dir, num_pages=256)
+    # Two waves: the second finds the first wave's shared prefix pages in the cache.
+    first = engine.generate(_prompts()[:8], GREEDY)
+    assert engine.kv.prefix_hits == 0
+    assert first + engine.generate(_prompts()[8:], GREEDY) == reference
+    assert engine.kv.prefix_hits > 0
+    _assert_no_pages_held(engine)
+
+
+def test_greedy_matches_transformers_qwen2(tiny_qwen2_dir: Path) -> None:
+    prompts = _prompts(6, seed=3)
+    engine = _engine(tiny_qwen2_dir, num_pages=128, max_num_batched_tokens=16)
+    assert engine.generate(prompts, GREEDY) == hf_greedy(tiny_qwen2_dir, prompts, NEW_TOKENS)
+
+
+def test_chunked_prefill_with_small_budget_is_exact(tiny_llama_dir: Path, reference: list) -> None:
+    engine = _engine(tiny_llama_dir, num_pages=256, max_num_batched_tokens=8, max_num_seqs=5)
+    assert engine.generate(_prompts(), GREEDY) == reference
+
+
+def test_tiny_pool_offloads_reloads_and_recomputes_exactly(
+    tiny_llama_dir: Path, reference: list
+) -> None:
+    # 40 usable pages of 4 tokens for 16 requests of up to 75 tokens: they cannot all stay
+    # resident; a 12-page host pool takes some victims and the rest are recomputed.
+    engine = _engine(tiny_llama_dir, num_pages=41, host_offload_gb=12 * 2048 / 2**30)
+    assert engine.generate(_prompts(), GREEDY) == reference
+    c = engine.counters
+    assert c.admit_failures > 0 and c.offloads > 0 and c.reloads > 0 and c.recomputations > 0
+    _assert_no_pages_held(engine)
+
+
+def test_priority_policy_also_exact(tiny_llama_dir: Path, reference: list) -> None:
+    engine = _engine(
+        tiny_llama_dir, num_pages=41, host_offload_gb=64 * 2048 / 2**30, eviction_policy="priority"
+    )
+    assert engine.generate(_prompts(), GREEDY) == reference
+    assert engine.counters.offloads > 0
+
+
+def _drain(engine: LLMEngine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_request_too_long_for_pool_fails_cleanly_while_others_finish(
+    tiny_llama_dir: Path,
+) -> None:
+    engine = _engine(tiny_llama_dir, num_pages=9)  # 8 usable pages = 32 tokens
+    engine.add_request("big", list(range(3, 43)), SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    outs = _drain(engine)
+    big, ok = outs["big"][-1], outs["ok"][-1]
+    assert big.finished and big.finish_reason == "error"
+    assert "KV" in (big.error or "") or "pages" in (big.error or "")
+    assert ok.finished and ok.finish_reason == "length" and ok.num_output_tokens == 4
+    refusals = [e for o in outs["big"] for e in o.events if e.name == "admit_refused"]
+    assert refusals and refusals[0].attributes["reason"] == "AdmitRuntimeError"
+    _assert_no_pages_held(engine)
+
+
+def test_context_length_checked_at_arrival(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, num_pages=64, max_model_len=32)
+    with pytest.raises(InvalidParameter) as err:
+        engine.add_request("r", list(range(3, 30)), SamplingParams(max_tokens=10))
+    assert err.value.param == "max_tokens" and "32" in str(err.value)
+    with pytest.raises(InvalidParameter) as err:
+        engine.add_request("r", [TINY_VOCAB + 5], SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("state", ["waiting", "running", "offloaded"])
+def test_abort_in_every_state_frees_everything(tiny_llama_dir: Path, state: str) -> None:
+    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 20)), params)
+    engine.add_request("b", list(range(3, 12)), params)
+    if state != "waiting":
+        engine.step()
+        engine.step()
+    req = engine._requests["a"]
+    if state == "offloaded":
+        assert engine.runner.offload("a") > 0
+        engine.scheduler.mark_offloaded(req)
+        assert engine.kv.num_host_pages_used > 0
+    assert req.status is RequestStatus(state)
+    engine.abort_request("a")
+    outs = _drain(engine)
+    assert outs["a"][-1].finish_reason == "abort"
+    assert outs["b"][-1].finish_reason == "length"
+    _assert_no_pages_held(engine)
+
+
+def test_stop_token_and_eos_end_requests(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, num_pages=64)
+    first = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))[0]
+    stop_at = first[1]
+    engine.add_request(
+        "s", [5, 6, 7], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at])
+    )
+    outs = _drain(engine)
+    final = outs["s"][-1]
+    tokens = [t for o in outs["s"] for t in o.new_token_ids]
+    assert final.finish_reason == "stop" and tokens[-1] == stop_at and len(tokens) <= 2
+
+
+def test_seeded_sampling_reproducible_across_batch_compositions(tiny_llama_dir: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = _engine(tiny_llama_dir, num_pages=64).generate([[7, 8, 9]], params)[0]
+    other = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+    batched = _engine(tiny_llama_dir, num_pages=64).generate(
+        [[3, 4], [7, 8, 9], list(range(10, 30))], [other, params, other]
+    )
+    assert batched[1] == alone
+
+
+def test_logprobs_returned_per_token(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, num_pages=64)
+    engine.add_request("l", [5, 6], SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+    outs = _drain(engine)["l"]
+    lps = [lp for o in outs for lp in (o.new_logprobs or [])]
+    toks = [t for o in outs for t in o.new_token_ids]
+    assert [lp.token_id for lp in lps] == toks
+    for lp in lps:
+        assert len(lp.top) == 2 and lp.top[0][0] == lp.token_id  # greedy picks the top-1
+        assert lp.logprob <= 0
