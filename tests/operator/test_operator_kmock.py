@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from conftest import CRS, EXAMPLE, ROOT, Kubectl, Operator, wait_for
+from conftest import CRS, EXAMPLE, ROOT, Kubectl, Operator, operator_calls, wait_for
 from kube_emulator import EmulatedCluster
 
 from mstar.engine.config import parse_cli_args
@@ -296,6 +296,10 @@ def test_restart_creates_no_duplicates(
         "the restarted operator to handle the CR",
     )
     assert managed(cluster) == sorted(CHILDREN.items())
+    calls = operator_calls(cluster)  # what the RBAC check at teardown compares with the chart
+    assert ("mstar.dev", "mstardeployments/status", "patch") in calls
+    assert ("", "events", "create") in calls
+    assert ("apps", "deployments", "watch") in calls
     again = children(cluster)
     assert {res: (obj or {})["metadata"]["resourceVersion"] for res, obj in again.items()} == (
         versions

@@ -35,6 +35,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="mstar.dev", key="last-handled-configuration"
     )
+    # Resources are discovered once at start-up: no RBAC on CRDs or Namespaces is needed.
+    settings.scanning.disabled = True
     settings.posting.reporting_component = "mstar-operator"
     settings.posting.level = logging.INFO
     settings.watching.connect_timeout = 10

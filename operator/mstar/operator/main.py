@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+
 import kopf
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -15,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace",
         action="append",
         default=[],
-        help="Watch only this namespace (repeatable; glob patterns allowed). Default: all.",
+        help="Watch only this namespace (repeatable; exact names). Default: all.",
     )
     parser.add_argument(
         "--liveness",
