@@ -1,0 +1,70 @@
+"""`mstar-engine serve [MODEL] ...`: load the model, start the engine loop, serve OpenAI routes.
+
+Engine flags come from `EngineConfig` (`add_cli_args` / `from_namespace`), the same contract
+the operator renders into container args; only `--api-key` and `--log-level` are the
+server's own. The API key may also come from `MSTAR_API_KEY`, so it need not sit in a pod spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from mstar.engine.config import add_cli_args, from_namespace
+
+API_KEY_ENV = "MSTAR_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mstar-engine", description="mstar LLM engine with an OpenAI-compatible server."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="Serve a model over HTTP (OpenAI routes, /health, /ready, /metrics).",
+        description="Serve MODEL (a Hugging Face checkpoint folder; default: packaged SmolLM2).",
+    )
+    add_cli_args(serve)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help=f"Require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}).",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="Logging verbosity.",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = from_namespace(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Heavy imports (torch, the model) only once the flags are known to be good.
+    from mstar.engine.engine import LLMEngine
+    from mstar.engine.server.app import build_app, serve
+
+    engine = LLMEngine.from_config(config)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = build_app(engine, api_key=api_key, max_waiting_requests=config.max_waiting_requests)
+    asyncio.run(serve(app, config.host, config.port, grace_seconds=config.shutdown_grace_seconds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""`AsyncEngine`: the one thread that drives the (not thread-safe) engine for the asyncio server.
+
+Handlers never touch the engine. They post add/abort commands to a locked inbox; the engine
+thread drains it between steps, runs `step()`, and hands each step's outputs back to the event
+loop in one `call_soon_threadsafe` batch, where each request's sink (an asyncio queue's
+`put_nowait`) receives them. The thread sleeps on a condition variable when there is no work,
+so an idle server costs no CPU, and the event loop never blocks on a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mstar.engine.outputs import RequestOutput
+from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+#: When the engine has requests but ran nothing (all held, e.g. after an eviction's back-off),
+#: wait this long (or until a command arrives) instead of spinning a core.
+IDLE_POLL_SECONDS = 0.002
+
+
+class EngineLike(Protocol):
+    """What the server needs of `mstar.engine.engine.LLMEngine`."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> Any: ...
+
+
+class StepObserver(Protocol):
+    """Called on the engine thread after every step (metrics)."""
+
+    def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None: ...
+
+
+@dataclass
+class NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    arrival_time: float
+
+
+@dataclass
+class _Add:
+    requests: list[NewRequest]
+    done: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (a step raised); nothing more can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineLike, observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self._observer = observer
+        self._cond = threading.Condition()
+        self._inbox: list[_Add | _Abort] = []
+        self._queued_adds = 0
+        self._sinks: dict[str, Sink] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+        self.stats: Any = engine.stats()
+        self.steps = 0
+
+    # -- lifecycle (event loop side) ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="mstar-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: the engine's waiting queue plus adds not yet handed over."""
+        with self._cond:
+            queued = self._queued_adds
+        return int(getattr(self.stats, "num_waiting", 0)) + queued
+
+    async def add_requests(self, requests: list[NewRequest]) -> None:
+        """Hand requests to the engine; returns once it accepted all of them.
+
+        All or nothing: if the engine refuses one (`InvalidParameter`), those already added are
+        aborted and the error is raised here. If the caller is cancelled meanwhile (the client
+        went away), every one of them is aborted.
+        """
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        assert self._loop is not None
+        done: asyncio.Future[None] = self._loop.create_future()
+        with self._cond:
+            self._inbox.append(_Add(requests, done))
+            self._queued_adds += len(requests)
+            self._cond.notify()
+        try:
+            await done
+        except asyncio.CancelledError:
+            for r in requests:
+                self.abort_request(r.request_id)
+            raise
+
+    def abort_request(self, request_id: str) -> None:
+        """Ask the engine to stop a request and free its pages (no-op once it finished)."""
+        with self._cond:
+            self._inbox.append(_Abort(request_id))
+            self._cond.notify()
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as exc:  # the thread must report, not vanish
+            log.exception("engine loop died")
+            self.error = exc
+            self._fail_all(f"engine failure: {exc}")
+
+    def _loop_forever(self) -> None:
+        engine = self.engine
+        idle_wait: float | None = None
+        while True:
+            with self._cond:
+                while (
+                    not self._inbox and not self._stopping and not engine.has_unfinished_requests()
+                ):
+                    self._cond.wait()
+                if idle_wait is not None and not self._inbox and not self._stopping:
+                    self._cond.wait(idle_wait)
+                if self._stopping:
+                    return
+                commands, self._inbox = self._inbox, []
+            acks = self._apply(commands)
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            self.steps += 1
+            now = time.monotonic()
+            stats = engine.stats()
+            self.stats = stats
+            with self._cond:
+                self._queued_adds -= sum(len(c.requests) for c in commands if isinstance(c, _Add))
+            if self._observer is not None:
+                try:
+                    self._observer.on_step(outputs, stats, now)
+                except Exception:
+                    log.exception("step observer failed")
+            deliveries: list[tuple[Sink, RequestOutput]] = []
+            for out in outputs:
+                sink = self._sinks.pop(out.request_id, None) if out.finished else None
+                sink = sink or self._sinks.get(out.request_id)
+                if sink is not None:
+                    deliveries.append((sink, out))
+            if acks or deliveries:
+                self._post(acks, deliveries)
+            busy = bool(outputs) or int(getattr(stats, "num_running", 0)) > 0
+            idle_wait = None if busy else IDLE_POLL_SECONDS
+
+    def _apply(
+        self, commands: list[_Add | _Abort]
+    ) -> list[tuple[asyncio.Future[None], BaseException | None]]:
+        acks: list[tuple[asyncio.Future[None], BaseException | None]] = []
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                if cmd.request_id in self._sinks:
+                    self.engine.abort_request(cmd.request_id)
+                continue
+            added: list[str] = []
+            error: BaseException | None = None
+            for r in cmd.requests:
+                try:
+                    self.engine.add_request(
+                        r.request_id, r.prompt_token_ids, r.params, arrival_time=r.arrival_time
+                    )
+                except (InvalidParameter, ValueError) as exc:
+                    error = exc
+                    break
+                self._sinks[r.request_id] = r.sink
+                added.append(r.request_id)
+            if error is not None:
+                for rid in added:
+                    self.engine.abort_request(rid)
+            acks.append((cmd.done, error))
+        return acks
+
+    def _post(
+        self,
+        acks: list[tuple[asyncio.Future[None], BaseException | None]],
+        deliveries: list[tuple[Sink, RequestOutput]],
+    ) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        # The loop may close between the check and the call (shutdown).
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_deliver, acks, deliveries)
+
+    def _fail_all(self, message: str) -> None:
+        """After a fatal error, end every live request with an error so no handler hangs."""
+        with self._cond:
+            commands, self._inbox = self._inbox, []
+        acks: list[tuple[asyncio.Future[None], BaseException | None]] = [
+            (c.done, EngineDeadError(message)) for c in commands if isinstance(c, _Add)
+        ]
+        now = time.monotonic()
+        deliveries = [
+            (
+                sink,
+                RequestOutput(
+                    rid, [], None, True, "error", message, arrival_time=now, finished_time=now
+                ),
+            )
+            for rid, sink in self._sinks.items()
+        ]
+        self._sinks.clear()
+        self._post(acks, deliveries)
+
+
+def _deliver(
+    acks: list[tuple[asyncio.Future[None], BaseException | None]],
+    deliveries: list[tuple[Sink, RequestOutput]],
+) -> None:
+    for fut, error in acks:
+        if fut.done():
+            continue
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+    for sink, out in deliveries:
+        sink(out)
