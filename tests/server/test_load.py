@@ -100,10 +100,17 @@ def test_tiny_kv_pool_traces_refusals_and_evictions(tiny_chat_dir: Path, referen
             # Offloaded and reloaded KV gives exactly the tokens an uncontended run gives.
             for prompt, text in zip(prompts, texts, strict=True):
                 assert ids_of(text) == reference(prompt, 20)
+            # One more, continuing a caller's trace.
+            status, _ = asyncio.run(_post_traced(live.url, prompt_for(8), TRACEPARENT))
+            assert status == 200
             live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
             live.wait_metric("mstar:host_kv_usage_perc", 0.0)
             assert live.app[STATE].telemetry.force_flush()
-            traces = receiver.wait_for("mstar-tiny-pool", lambda t: len(t) == 8)
+            traces = receiver.wait_for("mstar-tiny-pool", lambda t: len(t) == 9)
+            continued = [t for t in traces if t["traceID"] == PARENT_TRACE]
+            assert len(continued) == 1
+            root = next(s for s in continued[0]["spans"] if s["operationName"] == REQUEST_SPAN_NAME)
+            assert root["references"][0]["spanID"] == PARENT_SPAN
 
             counts = dict.fromkeys(ENGINE_EVENTS, 0)
             for trace in traces:
@@ -132,6 +139,23 @@ def test_tiny_kv_pool_traces_refusals_and_evictions(tiny_chat_dir: Path, referen
             assert admit_failures(live) == counts["admit_refused"]
             for event, metric in EVENT_METRIC.items():
                 assert live.metric(metric) == counts[event], event
+
+
+PARENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+PARENT_SPAN = "b7ad6b7169203331"
+TRACEPARENT = f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"
+
+
+async def _post_traced(url: str, prompt: list[int], traceparent: str) -> tuple[int, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+    body["ignore_eos"] = True
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            url + "/v1/completions", json=body, headers={"traceparent": traceparent}
+        ) as resp,
+    ):
+        return resp.status, await resp.json()
 
 
 async def _read_some_then_drop(url: str, max_tokens: int, chunks: int) -> int:
@@ -183,6 +207,10 @@ def test_full_waiting_queue_answers_429(tiny_chat_dir: Path) -> None:
     with LiveServer(engine, max_waiting_requests=2) as live:
         results = asyncio.run(_flood(live.url, 10))
         statuses = sorted(r[0] for r in results)
+        # Refused requests never reached the engine: only the served ones are counted.
+        served = statuses.count(200)
+        assert live.metric("mstar:request_success_total", finished_reason="length") == served
+        assert live.metric("mstar:request_success_total", finished_reason="abort") == 0
         assert 429 in statuses and 200 in statuses
         assert set(statuses) == {200, 429}
         for status, body, headers in results:

@@ -174,6 +174,8 @@ class SubRequest:
     prompt_ids: list[int]
     choice: ChoiceState
     last: RequestOutput | None = None
+    #: The engine accepted it; until then there is nothing to abort, count or trace.
+    submitted: bool = False
     done: bool = False
     error: str | None = None
     admit_runtime_error: bool = False
@@ -296,6 +298,12 @@ class Generation:
             )
         try:
             await state.async_engine.add_requests(new)
+            for sub in self.subs:
+                sub.submitted = True
+        except asyncio.CancelledError:
+            for sub in self.subs:
+                sub.done = True  # add_requests already aborted them
+            raise
         except InvalidParameter as exc:
             for sub in self.subs:
                 sub.done = True  # the engine already undid the batch
@@ -374,7 +382,7 @@ class Generation:
     def abort(self) -> None:
         """Cut the request short (shutdown): its choices end with finish_reason "abort"."""
         for sub in self.subs:
-            if not sub.done:
+            if sub.submitted and not sub.done:
                 self.state.async_engine.abort_request(sub.request_id)
 
     def pending(self) -> bool:
@@ -396,7 +404,7 @@ class Generation:
     def close(self) -> None:
         """Abort what still runs (disconnect, error, shutdown), then end the span."""
         for sub in self.subs:
-            if not sub.done:
+            if sub.submitted and not sub.done:
                 self.state.async_engine.abort_request(sub.request_id)
                 sub.choice.finish("abort")
                 self._finalize(sub, "abort")
@@ -406,7 +414,7 @@ class Generation:
             "gen_ai.usage.completion_tokens": completion_tokens,
             "http.response.status_code": self.status,
         }
-        reasons = [s.choice.finish_reason or "abort" for s in self.subs]
+        reasons = [s.choice.finish_reason or "abort" for s in self.subs if s.submitted]
         if reasons:
             attrs["gen_ai.response.finish_reasons"] = reasons
         first = self.subs[0].last if self.subs else None
