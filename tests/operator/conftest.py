@@ -96,6 +96,7 @@ class Operator:
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.liveness = ""
+        self.args: list[str] = []
 
     def start(self) -> None:
         self.starts += 1
@@ -110,7 +111,7 @@ class Operator:
         }
         log = (self.logdir / f"operator-{self.starts}.log").open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mstar.operator.main", "--liveness", self.liveness],
+            [sys.executable, "-m", "mstar.operator.main", "--liveness", self.liveness, *self.args],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -358,3 +359,51 @@ def test_deleting_the_cr_leaves_nothing(
     assert {name for _, name in managed(cluster)} == {"smollm2-cpu", "smollm2-cpu-engine"}
     assert operator.healthy()
     # Events are not owned: Kubernetes expires them by TTL (they name, not own, the CR).
+
+
+def test_name_conflict_is_reported_and_heals(
+    cluster: EmulatedCluster, kubectl: Kubectl, operator: Operator, tmp_path: Path
+) -> None:
+    operator.stop()
+    operator.args = ["--resync-seconds", "1"]
+    operator.start()
+    squatter = tmp_path / "squatter.yaml"  # someone else's Service, under the name we need
+    squatter.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": NAME, "namespace": NS},
+                "spec": {"ports": [{"port": 80}], "selector": {"app": "other"}},
+            }
+        )
+    )
+    kubectl.apply(squatter)
+    kubectl.apply(EXAMPLE)
+    broken = wait_for(
+        lambda: (
+            condition(cr(cluster), "Degraded").get("reason") == "ReconcileFailed" and cr(cluster)
+        ),
+        "Degraded=ReconcileFailed",
+    )
+    message = condition(broken, "Degraded")["message"]
+    assert "Service smollm2 already exists and is not controlled by this MStarDeployment" in message
+    wait_for(lambda: cluster.get("apps/v1/deployments", NS, NAME), "the other children anyway")
+    foreign = cluster.get("v1/services", NS, NAME) or {}
+    assert "ownerReferences" not in foreign["metadata"]  # never stolen
+    assert foreign["spec"]["ports"][0]["port"] == 80
+    uid = broken["metadata"]["uid"]
+    (warning,) = wait_for(lambda: events(cluster, uid, "ReconcileFailed"), "a Warning event")
+    assert warning["type"] == "Warning"
+
+    kubectl.run("delete", "service", NAME)  # unlabelled: only the periodic resync notices
+    wait_for(
+        lambda: (
+            condition(cr(cluster), "Degraded").get("status") == "False"
+            and ((cluster.get("v1/services", NS, NAME) or {}).get("metadata") or {}).get(
+                "ownerReferences"
+            )
+        ),
+        "the operator's own Service after the squatter left",
+    )
+    wait_for(lambda: events(cluster, uid, "Recovered"), "a Recovered event")

@@ -7,12 +7,14 @@ this module registers the handlers on Kopf's default registry.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
-from .kube import Kube, load_api_client
+from .kube import Kube, KubeError, load_api_client
 from .manifests import MANAGED_BY
 from .reconcile import controller_of, reconcile
 from .spec import GROUP, PLURAL, VERSION
@@ -25,30 +27,73 @@ CHILD_RESOURCES = (
 )
 OURS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 RETRY_DELAY = 5.0
+DEFAULT_RESYNC_SECONDS = 300.0
 Log = logging.Logger | logging.LoggerAdapter[Any]
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Keep Kopf's bookkeeping in annotations (status stays ours) and build the API client."""
+async def configure(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Log, **_: Any
+) -> None:
+    """Kopf's bookkeeping in annotations (status stays ours); API client; periodic resync."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="mstar.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="mstar.dev", key="last-handled-configuration"
     )
     # Resources are discovered once at start-up: no RBAC on CRDs or Namespaces is needed.
     settings.scanning.disabled = True
-    settings.posting.reporting_component = "mstar-operator"
-    settings.posting.level = logging.INFO
+    # Kopf still posts its own warnings (e.g. a handler retrying); our Events come from _run.
+    settings.posting.level = logging.WARNING
     settings.watching.connect_timeout = 10
     settings.watching.server_timeout = 300
     memo.kube = Kube(load_api_client())
+    seconds = float(getattr(memo, "resync_seconds", DEFAULT_RESYNC_SECONDS) or 0)
+    if seconds > 0:
+        memo.resync_task = asyncio.create_task(_resync_forever(memo, seconds, logger))
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    task: asyncio.Task[None] | None = getattr(memo, "resync_task", None)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _resync_forever(memo: Any, seconds: float, logger: Log) -> None:
+    """Reconcile every CR periodically: heals what no watched event announces (e.g. a foreign
+    object squatting on a child's name goes away), like controller-runtime's resync period."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await asyncio.to_thread(_resync_all, memo, logger)
+        except Exception:  # keep resyncing; a failed pass is retried next period
+            logger.exception("resync pass failed")
+
+
+def _resync_all(memo: Any, logger: Log) -> None:
+    kube: Kube = memo.kube
+    namespaces: list[str] = list(getattr(memo, "namespaces", None) or [])
+    listings: list[Any] = (
+        [kube.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL) for ns in namespaces]
+        if namespaces
+        else [kube.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)]
+    )
+    items = [dict(item) for listing in listings for item in listing["items"]]
+    for cr in items:
+        with contextlib.suppress(kopf.TemporaryError):  # in status already; next period retries
+            _run(kube, cr, logger)
 
 
 def _run(kube: Kube, body: dict[str, Any], logger: Log) -> None:
     outcome = reconcile(kube, body)
     for kind, reason, message in outcome.events:
-        kopf.event(cast(kopf.Body, body), type=kind, reason=reason, message=message)
         logger.info("%s %s: %s", kind, reason, message)
+        try:  # posted directly (not kopf.event): works from the resync thread as well
+            kube.post_event(body, kind, reason, message)
+        except KubeError as exc:
+            logger.warning("could not post event %s: %s", reason, exc)
     if outcome.failed:
         raise kopf.TemporaryError("API call failed; retrying", delay=RETRY_DELAY)
 

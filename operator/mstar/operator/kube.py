@@ -6,6 +6,7 @@ module hides the typed models: every read is turned back into the JSON the API s
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,8 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from .spec import GROUP, PLURAL, VERSION
+
+REPORTER = "mstar-operator"
 
 
 class KubeError(Exception):
@@ -48,7 +51,7 @@ class Kube:
 
     def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
         self.api_client = api_client
-        core = kubernetes.client.CoreV1Api(api_client)
+        core = self.core = kubernetes.client.CoreV1Api(api_client)
         apps = kubernetes.client.AppsV1Api(api_client)
         hpa = kubernetes.client.AutoscalingV2Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
@@ -130,6 +133,37 @@ class Kube:
         except ApiException as exc:
             if exc.status == 404:
                 return None
+            raise self._fail(exc) from exc
+
+    def post_event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about `obj` (what `kubectl describe` shows); best effort."""
+        meta = obj["metadata"]
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion", f"{GROUP}/{VERSION}"),
+                "kind": obj.get("kind", "MStarDeployment"),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": REPORTER},
+            "reportingComponent": REPORTER,
+            "reportingInstance": REPORTER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)  # type: ignore[arg-type]
+        except ApiException as exc:
             raise self._fail(exc) from exc
 
     def patch_cr_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import kopf
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+DEFAULT_RESYNC_SECONDS = 300.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_LIVENESS,
         help="URL the liveness endpoint listens on ('' disables).",
     )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=float(os.environ.get("MSTAR_RESYNC_SECONDS", DEFAULT_RESYNC_SECONDS)),
+        help="Reconcile every MStarDeployment this often, events or not (0 disables).",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
     return parser
 
@@ -38,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(namespaces=list(args.namespace), resync_seconds=args.resync_seconds),
     )
 
 

@@ -220,26 +220,39 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any]) -> Outcome:
         if spec is not None:
             rollout = int(meta.get("generation") or 1) != old_status.get("observedGeneration")
             children = manifests.build_children(name, namespace, uid, spec)
+            conflicts: list[str] = []
             for kind in CHILD_ORDER:
-                live = _apply_child(kube, kind, name, namespace, uid, children[kind], rollout, out)
+                try:
+                    live = _apply_child(
+                        kube, kind, name, namespace, uid, children[kind], rollout, out
+                    )
+                except OwnershipConflict as exc:  # report it, still manage the other children
+                    conflicts.append(str(exc))
+                    live = None
                 if kind == "Deployment":
                     deployment = live
+            failure = "; ".join(conflicts) or None
         else:
-            deployment = kube.get("Deployment", namespace, name)
-    except (KubeError, OwnershipConflict) as exc:
+            deployment = _own_deployment(kube, namespace, name, uid)
+    except KubeError as exc:
         failure = str(exc)
-        out.failed = isinstance(exc, KubeError)
-        if deployment is None:
-            try:
-                deployment = kube.get("Deployment", namespace, name)
-            except KubeError:
-                deployment = None
+        out.failed = True
+        try:
+            deployment = _own_deployment(kube, namespace, name, uid)
+        except KubeError:
+            deployment = None
     status = compute_status(cr, deployment, spec=spec, problems=problems, failure=failure)
     out.events += _status_events(old_status, status)
     out.status = status
     if not _same_status(old_status, status):
         kube.patch_cr_status(namespace, name, status)
     return out
+
+
+def _own_deployment(kube: Kube, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+    live = kube.get("Deployment", namespace, name)
+    owner = controller_of(live) if live else None
+    return live if owner and owner.get("uid") == uid else None
 
 
 class OwnershipConflict(Exception):
