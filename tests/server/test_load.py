@@ -313,3 +313,33 @@ def test_request_larger_than_the_pool_is_a_400(tiny_chat_dir: Path) -> None:
         assert failures == 3
         assert live.metric("mstar:request_success_total", finished_reason="error") == 3
         live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
+
+
+def test_stop_cuts_off_in_flight_requests_and_leaves_the_engine_empty(tiny_chat_dir: Path) -> None:
+    """The drain path (as on SIGTERM) with a short grace: the request ends "abort", no page held."""
+    engine = make_engine(tiny_chat_dir, max_model_len=512)
+    live = LiveServer(engine, grace_seconds=0.2).start()
+    result: dict[str, Any] = {}
+
+    async def long_request() -> None:
+        body = {"model": "tiny", "prompt": "w7", "max_tokens": 500, "ignore_eos": True}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(live.url + "/v1/completions", json=body) as resp,
+        ):
+            result["status"], result["body"] = resp.status, await resp.json()
+
+    async def main() -> None:
+        task = asyncio.create_task(long_request())
+        while live.metric("mstar:num_requests_running") != 1.0:
+            await asyncio.sleep(0.02)
+        await asyncio.get_running_loop().run_in_executor(None, live.stop)
+        await task
+
+    asyncio.run(main())
+    assert result["status"] == 200
+    assert result["body"]["choices"][0]["finish_reason"] == "abort"
+    assert 0 < result["body"]["usage"]["completion_tokens"] < 500
+    stats = engine.stats()
+    assert (stats.kv_usage, stats.num_running, stats.num_waiting) == (0.0, 0, 0)
+    assert not engine.has_unfinished_requests()

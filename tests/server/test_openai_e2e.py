@@ -280,3 +280,10 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     assert "temperature" in str(info.value)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="w1")
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI, reference: Any) -> None:
+    out = client.completions.create(
+        model="tiny", prompt="w7 w8 w9", max_tokens=3, echo=True, temperature=0, extra_body=EXTRA
+    )
+    assert out.choices[0].text.split() == ["w7", "w8", "w9", *words(reference([7, 8, 9], 3))]

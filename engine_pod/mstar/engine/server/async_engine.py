@@ -173,6 +173,8 @@ class AsyncEngine:
                 if idle_wait is not None and not self._inbox and not self._stopping:
                     self._cond.wait(idle_wait)
                 if self._stopping:
+                    commands, self._inbox = self._inbox, []
+                    self._shutdown(commands)
                     return
                 commands, self._inbox = self._inbox, []
             acks = self._apply(commands)
@@ -198,6 +200,21 @@ class AsyncEngine:
                 self._post(acks, deliveries)
             busy = bool(outputs) or int(getattr(stats, "num_running", 0)) > 0
             idle_wait = None if busy else IDLE_POLL_SECONDS
+
+    def _shutdown(self, commands: list[_Add | _Abort]) -> None:
+        """Leave the engine empty: refuse pending adds, abort every live request."""
+        acks: list[tuple[asyncio.Future[None], BaseException | None]] = [
+            (c.done, EngineDeadError("the server is shutting down"))
+            for c in commands
+            if isinstance(c, _Add)
+        ]
+        for request_id in list(self._sinks):
+            self.engine.abort_request(request_id)
+        if self.engine.has_unfinished_requests():
+            self.engine.step()  # collects the aborted requests (their pages are already free)
+        self.stats = self.engine.stats()
+        if acks:
+            self._post(acks, [])
 
     def _apply(
         self, commands: list[_Add | _Abort]
