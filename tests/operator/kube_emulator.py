@@ -144,11 +144,18 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 obj.pop("status", None)
             obj = self._admit_custom(request, obj)
             return attrs.evolve(request, data=obj)
-        if request.action == enums.action.UPDATE and isinstance(request.data, dict):
+        if request.action == enums.action.UPDATE and isinstance(request.data, (dict, list)):
             old = self._stored(request, request.name)
             if old is None:
                 return request  # KMock answers 404
             patch = copy.deepcopy(request.data)
+            if isinstance(patch, list):  # a JSON patch: apply it, then continue as a merge patch
+                try:
+                    patch = _merge_patch(old, dict(patch_dict(old, patch)))
+                except Exception as exc:  # a failing "test"/"remove" op: 422 as the server does
+                    raise kmock.KubernetesError(
+                        status=422, reason="Invalid", message=f"JSON patch failed: {exc}"
+                    ) from exc
             if request.resource in self._status_subresource:
                 if request.subresource == "status":
                     patch = {"status": patch.get("status")} if "status" in patch else {}

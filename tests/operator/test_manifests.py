@@ -178,3 +178,34 @@ def test_status_follows_the_rollout() -> None:
     invalid = compute_status(_cr(), _dep(2, 2, 2), spec=None, problems=["spec.x: bad"])
     assert _conds(invalid)["Degraded"] == ("True", "InvalidSpec")
     assert _conds(invalid)["Ready"] == ("True", "AllReplicasReady")  # the old pods still serve
+
+
+def test_json_patch_restores_exactly_and_converges() -> None:
+    import jsonpatch
+
+    desired = deployment_for(ROOT / "examples" / "mstardeployment.yaml")
+    live = copy.deepcopy(manifests.strip_none(desired))
+    pod = live["spec"]["template"]
+    pod["spec"]["dnsPolicy"] = "ClusterFirst"  # a server default: must survive
+    engine = pod["spec"]["containers"][0]
+    engine["env"].append({"name": "INJECTED", "value": "1"})  # merged lists would keep this
+    engine["args"] = ["--max-num-seqs", "1"]
+    pod["metadata"]["annotations"]["prometheus.io/scrape"] = "false"  # "/" in the key
+    del pod["spec"]["priorityClassName"]
+    ops = manifests.json_patch(desired, live)
+    fixed = jsonpatch.apply_patch(live, ops)
+    assert manifests.drift(desired, fixed) == []
+    assert manifests.json_patch(desired, fixed) == []  # converged: no patch loop
+    assert fixed["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirst"
+    assert all(e["name"] != "INJECTED" for e in container(fixed)["env"])
+    assert {
+        "op": "add",
+        "path": "/spec/template/metadata/annotations/prometheus.io~1scrape",
+        "value": "true",
+    } in ops
+    cpu = deployment_for(ROOT / "examples" / "mstardeployment-cpu.yaml")
+    sneaky = copy.deepcopy(manifests.strip_none(cpu))
+    sneaky["spec"]["template"]["spec"]["nodeSelector"] = {"pool": "x"}
+    assert manifests.json_patch(cpu, sneaky) == [
+        {"op": "remove", "path": "/spec/template/spec/nodeSelector"}
+    ]

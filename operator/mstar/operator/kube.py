@@ -110,7 +110,10 @@ class Kube:
                 return None
             raise self._fail(exc) from exc
 
-    def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    def patch(
+        self, kind: str, namespace: str, name: str, body: dict[str, Any] | list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """A list body is sent as a JSON patch, a dict as a (strategic) merge patch."""
         try:
             return self._dict(self._ops[kind][2](name, namespace, body))
         except ApiException as exc:

@@ -372,32 +372,63 @@ def strip_none(value: Any) -> Any:
     return value
 
 
-def drift(desired: Any, live: Any, path: str = "") -> list[str]:
-    """Paths where `live` differs from `desired`, ignoring fields the server or others added.
+Path = tuple[str | int, ...]
 
-    Dicts compare by the desired keys only (a `None` desired means absent); lists compare item by
-    item with the same length. Server-side defaults therefore never look like drift, while a hand
-    edit of anything the operator sets does.
+
+def drift_paths(desired: Any, live: Any, path: Path = ()) -> list[tuple[Path, Any]]:
+    """(path, desired value) wherever `live` differs from `desired`; None means "must be absent".
+
+    Dicts compare by the desired keys only, lists item by item with the same length, so fields
+    the server (defaults) or other controllers add never look like drift, while a hand edit of
+    anything the operator sets does. The walk stops at the first differing node: its parent
+    always exists in `live`, so each difference is one JSON-patch operation.
     """
     if isinstance(desired, dict):
         if not isinstance(live, dict):
-            return [path or "/"]
-        out: list[str] = []
+            return [(path, desired)]
+        out: list[tuple[Path, Any]] = []
         for key, want in desired.items():
-            sub = f"{path}.{key}" if path else key
             if want is None:
                 if live.get(key) not in (None, {}, []):
-                    out.append(sub)
+                    out.append(((*path, key), None))
             else:
-                out += drift(want, live.get(key), sub)
+                out += drift_paths(want, live.get(key), (*path, key))
         return out
     if isinstance(desired, list):
         if not isinstance(live, list) or len(live) != len(desired):
-            return [path]
+            return [(path, desired)]
         out = []
         for i, (want, have) in enumerate(zip(desired, live, strict=True)):
-            out += drift(want, have, f"{path}[{i}]")
+            out += drift_paths(want, have, (*path, i))
         return out
     if isinstance(desired, str) and isinstance(live, (int, float)) and not isinstance(live, bool):
-        return [] if desired == str(live) else [path]
-    return [] if desired == live else [path]
+        return [] if desired == str(live) else [(path, desired)]
+    return [] if desired == live else [(path, desired)]
+
+
+def _dotted(path: Path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "/"
+
+
+def drift(desired: Any, live: Any) -> list[str]:
+    """The differing paths, dotted (for Events and logs)."""
+    return [_dotted(path) for path, _ in drift_paths(desired, live)]
+
+
+def json_patch(desired: Any, live: Any) -> list[dict[str, Any]]:
+    """RFC 6902 operations that put back exactly the differing fields, nothing else.
+
+    A JSON patch (not a strategic merge) so that lists are replaced, not merged: a hand-added
+    env var or container arg is removed, and the next comparison finds no drift (no patch loop).
+    """
+    ops: list[dict[str, Any]] = []
+    for path, want in drift_paths(desired, live):
+        pointer = "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path)
+        if want is None:
+            ops.append({"op": "remove", "path": pointer})
+        else:
+            ops.append({"op": "add", "path": pointer, "value": strip_none(want)})
+    return ops

@@ -295,10 +295,11 @@ def _apply_child(
         raise OwnershipConflict(
             f"{kind} {child} already exists and is not controlled by this MStarDeployment"
         )
-    paths = manifests.drift(desired, live)
-    if not paths:
+    ops = manifests.json_patch(desired, live)
+    if not ops:
         return live
-    patched = kube.patch(kind, namespace, child, desired)
+    paths = manifests.drift(desired, live)
+    patched = kube.patch(kind, namespace, child, ops)
     shown = ", ".join(paths[:4]) + (f" (+{len(paths) - 4} more)" if len(paths) > 4 else "")
     if rollout:
         out.events.append(("Normal", "Updated", f"{kind} {child}: {shown}"))
