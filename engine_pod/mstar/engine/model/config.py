@@ -20,10 +20,9 @@ class ModelLoadError(Exception):
 # architectures -> family; the family decides which projections carry biases by default.
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
-_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
 _ROPE_TYPES = ("default", "linear", "llama3")
 
