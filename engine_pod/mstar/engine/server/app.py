@@ -100,6 +100,13 @@ async def error_middleware(
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         return _error_response(APIError(exc.status, exc.reason, type=kind))
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client is gone; nobody to answer
+    except Exception as exc:
+        log.exception("unhandled error on %s", request.path)
+        return _error_response(
+            APIError(500, f"internal error: {exc}", type="internal_server_error")
+        )
 
 
 @web.middleware
@@ -315,6 +322,16 @@ class Generation:
             for sub in self.subs:
                 sub.done = True
             raise APIError(503, str(exc), type="service_unavailable") from exc
+        except ValueError as exc:
+            for sub in self.subs:
+                sub.done = True
+            raise bad_request(str(exc)) from exc
+        except Exception as exc:
+            for sub in self.subs:
+                sub.done = True
+            raise APIError(
+                500, f"the engine refused the request: {exc}", type="internal_server_error"
+            ) from exc
 
     # -- consuming outputs ---------------------------------------------------------------------
 

@@ -232,7 +232,9 @@ class AsyncEngine:
                     self.engine.add_request(
                         r.request_id, r.prompt_token_ids, r.params, arrival_time=r.arrival_time
                     )
-                except (InvalidParameter, ValueError) as exc:
+                except Exception as exc:  # a refused request must not take the loop down
+                    if not isinstance(exc, InvalidParameter | ValueError):
+                        log.exception("engine refused request %s", r.request_id)
                     error = exc
                     break
                 self._sinks[r.request_id] = r.sink
