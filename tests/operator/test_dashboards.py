@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ROOT, free_port
+from op_harness import ROOT, free_port
 
 from tests.prometheus_helper import prometheus_available, query, run_prometheus, wait_for_series
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CRS, ROOT
 from crd_schema import admit
+from op_harness import CRS, ROOT
 
 from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.operator import manifests

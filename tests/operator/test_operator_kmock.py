@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import CRS, EXAMPLE, ROOT, Kubectl, Operator, operator_calls, wait_for
 from kube_emulator import EmulatedCluster
+from op_harness import CRS, EXAMPLE, ROOT, Kubectl, Operator, operator_calls, wait_for
 
 from mstar.engine.config import parse_cli_args
 from mstar.operator.manifests import CONFIG_HASH_ANNOTATION
