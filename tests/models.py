@@ -71,6 +71,10 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
             tokens: list[int] = []
             for _ in range(max_new_tokens):
                 tokens.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+                nxt = torch.tensor([[tokens[-1]]])
+                if "cache" in out:  # transformers >= 5.2x names it `cache`
+                    out = model(nxt, cache=out["cache"], use_cache=True)
+                else:
+                    out = model(nxt, past_key_values=out["past_key_values"], use_cache=True)
             outs.append(tokens)
     return outs
