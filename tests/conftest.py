@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("MSTAR_KV_DEBUG_ASSERTS", "1")
-sys.path.insert(0, str(Path(__file__).parent))
 
 from models import build_tiny_model
 

@@ -13,12 +13,12 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from live_server import LiveServer, make_engine
 
 from mstar.engine.server.app import STATE
 from mstar.engine.server.sse import parse_events
 from mstar.engine.telemetry import REQUEST_SPAN_NAME, Telemetry
 
-from .conftest import LiveServer, make_engine
 from .otlp_receiver import OTLPReceiver, log_fields, tag
 
 GREEDY_EXTRA = {"ignore_eos": True}

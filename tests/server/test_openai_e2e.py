@@ -12,8 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-
-from .conftest import LiveServer
+from live_server import LiveServer
 
 #: Greedy and never stopping at EOS, so lengths are exact.
 EXTRA = {"ignore_eos": True}

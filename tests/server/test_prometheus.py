@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from live_server import LiveServer, make_engine
 
 from tests.prometheus_helper import prometheus_available, query, run_prometheus, wait_for_series
 
-from .conftest import LiveServer, make_engine
 from .test_load import run_streams
 
 ROOT = Path(__file__).resolve().parents[2]

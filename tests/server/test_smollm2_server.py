@@ -6,11 +6,10 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from live_server import LiveServer
 from openai.types.chat import ChatCompletionUserMessageParam
 
 from mstar.engine.config import EngineConfig
-
-from .conftest import LiveServer
 
 pytestmark = pytest.mark.slow
 
