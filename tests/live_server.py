@@ -37,8 +37,6 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
         "page_size": 4,
         "max_num_seqs": 32,
         "host_offload_gb": 0.01,
-        # Prefix pages count as used KV; off, so "no pages held" is exactly 0 after a test.
-        "enable_prefix_caching": False,
     }
     settings.update(overrides)
     return LLMEngine.from_config(EngineConfig(**settings))

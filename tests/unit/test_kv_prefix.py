@@ -226,3 +226,16 @@ def test_match_prefix_on_unknown_request_raises() -> None:
     kv = make()
     with pytest.raises(KeyError):
         kv.match_prefix("ghost", [1, 2])
+
+
+def test_usage_counts_idle_cached_pages_as_free() -> None:
+    kv = make(num_pages=9)  # 8 usable pages
+    tokens = list(range(10, 22))  # 3 whole pages
+    prefill(kv, "a", tokens)
+    assert kv.usage == pytest.approx(3 / 8)
+    prefill(kv, "b", tokens)  # shares 2 indexed pages, 1 page of its own
+    assert kv.usage == pytest.approx(4 / 8)
+    kv.remove_request("a")
+    kv.remove_request("b")
+    assert kv.num_prefix_pages == 3 and kv.num_cached_pages == 3
+    assert kv.num_free_pages == 5 and kv.usage == 0.0

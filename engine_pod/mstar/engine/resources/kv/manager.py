@@ -85,9 +85,19 @@ class KVCacheResource(Resource):
         return self.arena.num_free
 
     @property
+    def num_cached_pages(self) -> int:
+        """Pages only the prefix index holds: kept for reuse, but free to evict on demand."""
+        if self.prefix is None:
+            return 0
+        with self._lock:
+            owners = self.arena.owners
+            return sum(1 for p in self.prefix.pages() if owners[p] == 1)
+
+    @property
     def usage(self) -> float:
-        """1 - free/usable: pages held by requests *or* the prefix index count as used."""
-        return 1.0 - self.arena.num_free / self.arena.num_usable
+        """Fraction of usable pages requests hold (vLLM's meaning: idle cached pages are free)."""
+        available = self.arena.num_free + self.num_cached_pages
+        return 1.0 - available / self.arena.num_usable
 
     @property
     def num_host_pages_used(self) -> int:
