@@ -181,3 +181,38 @@ def test_logprobs_returned_per_token(tiny_llama_dir: Path) -> None:
     for lp in lps:
         assert len(lp.top) == 2 and lp.top[0][0] == lp.token_id  # greedy picks the top-1
         assert lp.logprob <= 0
+
+
+def test_request_offloading_parks_without_evicting_then_finishes_exactly(
+    tiny_llama_dir: Path,
+) -> None:
+    prompts = [list(range(3, 20)), list(range(30, 41))]
+    expected = hf_greedy(tiny_llama_dir, prompts, 12)
+    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine.add_request("a", prompts[0], params)
+    engine.add_request("b", prompts[1], params)
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+
+    def collect(outs: list) -> list:
+        for o in outs:
+            tokens[o.request_id].extend(o.new_token_ids)
+        return outs
+
+    collect(engine.step())
+    # Offload "a" behind the scheduler's back: its next admit meets an offloaded stream.
+    assert engine.kv.offload("a") > 0
+    offloads = engine.counters.offloads
+    outs = collect(engine.step())
+    events = [
+        (e.name, e.attributes["reason"]) for o in outs if o.request_id == "a" for e in o.events
+    ]
+    assert events == [("admit_refused", "RequestOffloading")]
+    assert engine._requests["a"].status is RequestStatus.OFFLOADED
+    assert engine.counters.offloads == offloads  # parked, nothing evicted for it
+    assert len(tokens["b"]) == 2  # the rest of the batch went on in the same step
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    assert engine.counters.reloads == 1
+    assert [tokens["a"], tokens["b"]] == expected
+    _assert_no_pages_held(engine)

@@ -288,9 +288,10 @@ class LLMEngine:
             ATTN: ResourceStep(),
             ROPE: ResourceStep(),
         }
+        # Rows that finish their known tokens sample; the sampler reuses their segments.
         sampling = tuple(
-            Segment(r.request.request_id, LABEL, 1)
-            for r in rows
+            seg
+            for seg, r in zip(segments, rows, strict=True)
             if r.num_tokens == r.request.num_uncomputed
         )
         if sampling:
