@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from mstar.engine.resources.sampler import (
+from mstar.engine.resources.sampling import (
     GREEDY_EPS,
     SampleOutput,
     SamplerPlan,

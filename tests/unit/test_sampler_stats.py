@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.resources.sampler import SamplerRequestConfig, SamplerResource
+from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
 from mstar.engine.resources.step import ResourceStep, Segment, StepContext
 from mstar.engine.sampling_params import SamplingParams
 

@@ -36,7 +36,7 @@ from mstar.engine.resources.attention import AttentionResource
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.runner import StepRunner
-from mstar.engine.resources.sampler import SamplerRequestConfig, SamplerResource
+from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
 from mstar.engine.resources.step import (
     AdmitRuntimeError,
     AllocationFailed,
