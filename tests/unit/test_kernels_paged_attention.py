@@ -172,6 +172,24 @@ def test_bfloat16_close_to_reference():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_decode_rows_match_reference(dtype: torch.dtype) -> None:
+    """Decode rows in bf16/fp16 take the matmul path; mixed with a prefill row (SDPA path)."""
+    specs = [(9, 1), (16, 1), (33, 1), (1, 1), (12, 5)]
+    pool, dense, q, plan = build_case(7, 4, 9, 3, 16, specs, dtype=dtype)
+    backend = TorchPagedAttention()
+    backend.plan(*plan, num_qo_heads=9, num_kv_heads=3, head_dim=16, page_size=4)
+    for _ in range(2):  # the cached additive mask is reused by the next layer
+        out = backend.run(q, pool)
+        start = 0
+        for (_, q_len), (k, v) in zip(specs, dense, strict=True):
+            rows = slice(start, start + q_len)
+            torch.testing.assert_close(
+                out[rows].double(), reference(q[rows], k, v), atol=3e-2, rtol=3e-2
+            )
+            start += q_len
+
+
 def test_write_kv_places_rows_at_slots():
     pool = torch.zeros(5, 2, 4, 2, 3)
     k = torch.arange(3 * 2 * 3, dtype=torch.float32).view(3, 2, 3) + 1

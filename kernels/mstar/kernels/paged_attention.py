@@ -20,6 +20,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+#: dtypes whose decode attention takes the matmul path (see `_decode_reduced`)
+_REDUCED = (torch.bfloat16, torch.float16)
+
 
 class PagedAttentionBackend(Protocol):
     """What the engine calls: ``plan`` once per step, ``run`` once per layer."""
@@ -53,6 +56,8 @@ class _Group:
     batch: int
     q_max: int
     pages_max: int
+    #: additive form of ``mask`` in a reduced-precision dtype, built at that dtype's first use
+    bias: torch.Tensor | None = None
 
 
 def kv_lengths(
@@ -207,6 +212,10 @@ class TorchPagedAttention:
             k = keys_view.index_select(0, g.page_table).view(g.batch, length, hkv, d)
             v = values_view.index_select(0, g.page_table).view(g.batch, length, hkv, d)
             qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
+            if g.q_max == 1 and q.dtype in _REDUCED:
+                flat = self._decode_reduced(g, qg, k, v)
+                out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
+                continue
             o = F.scaled_dot_product_attention(
                 qg.transpose(1, 2),
                 k.transpose(1, 2),
@@ -218,3 +227,21 @@ class TorchPagedAttention:
             flat = o.transpose(1, 2).reshape(g.batch * g.q_max, hq, d)
             out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
         return out
+
+    def _decode_reduced(
+        self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """One query per sequence in bf16/fp16: two batched matmuls with a float32 softmax.
+
+        On CPU, SDPA's masked reduced-precision path is 3-10x slower than this for decode
+        (measured at batch 8-32, 64-512 keys, SmolLM2's 9/3 heads); float32 keeps SDPA, whose
+        numerics the exactness tests pin against transformers.
+        """
+        hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
+        if g.bias is None or g.bias.dtype != q.dtype:
+            zeros = torch.zeros(g.mask.shape, dtype=q.dtype, device=g.mask.device)
+            g.bias = zeros.masked_fill_(~g.mask, float("-inf")).view(g.batch, 1, 1, -1)
+        qg = q.view(g.batch, hkv, hq // hkv, d)  # one query row: heads grouped by KV head
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).mul_(self._scale).add_(g.bias)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v.transpose(1, 2)).view(g.batch, hq, d)
