@@ -54,9 +54,13 @@ class EngineConfig:
     )
     cuda_graph_batch_sizes: list[int] = field(
         default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BATCH_SIZES),
-        metadata=_flag("Decode batch sizes captured as CUDA graphs."),
+        metadata=_flag(
+            "Decode batch sizes to capture as CUDA graphs (reserved: the engine runs eager today)."
+        ),
     )
-    enforce_eager: bool = field(default=False, metadata=_flag("Never capture CUDA graphs."))
+    enforce_eager: bool = field(
+        default=False, metadata=_flag("Never capture CUDA graphs (today every step is eager).")
+    )
     eviction_policy: str = field(
         default="lru", metadata=_flag("Victim choice on KV shortage.", choices=EVICTION_POLICIES)
     )
