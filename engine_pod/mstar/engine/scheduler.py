@@ -73,10 +73,18 @@ class Scheduler:
 
     # -- the batch -----------------------------------------------------------------------------
     def schedule(self, now: float) -> list[ScheduledRow]:
-        """This step's rows; statuses do not change until the engine admits them."""
+        """This step's rows; statuses do not change until the engine admits them.
+
+        While evicted requests wait on host memory and others still run, the waiting queue
+        stays closed: pages freed by finishing requests go to the evicted (older) requests
+        first, so a stream of new arrivals cannot starve them.
+        """
         rows: list[ScheduledRow] = []
         budget = self.max_num_batched_tokens
-        for queue in (self.running, self.waiting):
+        queues = (
+            (self.running,) if self.offloaded and self.running else (self.running, self.waiting)
+        )
+        for queue in queues:
             for req in queue:
                 if len(rows) >= self.max_num_seqs or budget <= 0:
                     return rows
