@@ -157,11 +157,8 @@ class LLMEngine:
         path = config.model or str(default_model_path())
         decoder, model_config, tokenizer = load_model(path, dtype=dtype, device=device)
         bytes_per_page = (
-            model_config.num_layers
-            * 2
+            model_config.kv_elements_per_token
             * config.page_size
-            * model_config.num_kv_heads
-            * model_config.head_dim
             * torch.empty((), dtype=dtype).element_size()
         )
         num_pages = config.num_pages or _default_num_pages(config, device, bytes_per_page)
