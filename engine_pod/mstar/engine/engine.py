@@ -253,8 +253,7 @@ class LLMEngine:
         self._reload_offloaded(now)
         admitted = self._admit_batch()
         if admitted is not None:
-            rows, step = admitted
-            self._execute(rows, step)
+            self._execute(*admitted)
         return self._collect_outputs()
 
     def generate(
@@ -278,7 +277,8 @@ class LLMEngine:
         return [out[rid] for rid in ids]
 
     # -- admission -----------------------------------------------------------------------------
-    def _declare(self, rows: list[ScheduledRow]) -> SubmoduleStep:
+    def _declare(self, rows: list[ScheduledRow]) -> tuple[SubmoduleStep, list[int]]:
+        """The step over `rows`, and the indices of the rows that sample a token this step."""
         segments = [Segment(r.request.request_id, LABEL, r.num_tokens) for r in rows]
         steps: dict[str, ResourceStep] = {
             KV: ResourceStep(),
@@ -286,33 +286,30 @@ class LLMEngine:
             ROPE: ResourceStep(),
         }
         # Rows that finish their known tokens sample; the sampler reuses their segments.
-        sampling = tuple(
-            seg
-            for seg, r in zip(segments, rows, strict=True)
-            if r.num_tokens == r.request.num_uncomputed
-        )
-        if sampling:
-            steps[SAMPLER] = ResourceStep(sampling)
+        sample_rows = [i for i, r in enumerate(rows) if r.num_tokens == r.request.num_uncomputed]
+        if sample_rows:
+            steps[SAMPLER] = ResourceStep(tuple(segments[i] for i in sample_rows))
         step = SubmoduleStep(steps, segments)
         step.set_ctx(StepContext([s.request_id for s in segments], "llm", 0, False))
-        return step
+        return step, sample_rows
 
-    def _admit_batch(self) -> tuple[list[ScheduledRow], SubmoduleStep] | None:
+    def _admit_batch(self) -> tuple[list[ScheduledRow], SubmoduleStep, list[int]] | None:
         for _ in range(MAX_ADMIT_ATTEMPTS):
             now = time.monotonic()
             rows = self.scheduler.schedule(now)
             if not rows:
                 return None
-            self._match_prefixes(rows)
-            rows = [
-                ScheduledRow(r.request, min(r.num_tokens, r.request.num_uncomputed)) for r in rows
-            ]
-            step = self._declare(rows)
+            if self._match_prefixes(rows):  # cached tokens shrink what is left to compute
+                rows = [
+                    ScheduledRow(r.request, min(r.num_tokens, r.request.num_uncomputed))
+                    for r in rows
+                ]
+            step, sample_rows = self._declare(rows)
             outcome = self.runner.admit(step)
             if outcome.ok:
                 for r in rows:
                     self.scheduler.mark_running(r.request)
-                return rows, step
+                return rows, step, sample_rows
             self._handle_refusal(outcome, rows, now)
         return None
 
@@ -401,7 +398,7 @@ class LLMEngine:
         if len(rows) == 1:
             return rows[0].request
         for r in rows:
-            probe = self._declare([r])
+            probe, _ = self._declare([r])
             outcome = self.runner.admit(probe)
             if outcome.ok:
                 self.runner.abort_step(probe)
@@ -421,7 +418,9 @@ class LLMEngine:
             self.scheduler.mark_running(req)
 
     # -- execution -----------------------------------------------------------------------------
-    def _execute(self, rows: list[ScheduledRow], step: SubmoduleStep) -> None:
+    def _execute(
+        self, rows: list[ScheduledRow], step: SubmoduleStep, sample_rows: list[int]
+    ) -> None:
         now = time.monotonic()
         try:
             plans = self.runner.plan(step)
@@ -437,9 +436,6 @@ class LLMEngine:
             ).to(self.device, non_blocking=True)
             kv_plan = plans[KV]
             ends = kv_plan.qo_indptr[1:].tolist()
-            sample_rows = [
-                i for i, r in enumerate(rows) if r.num_tokens == r.request.num_uncomputed
-            ]
             logits_indices = torch.tensor([ends[i] - 1 for i in sample_rows], dtype=torch.long)
             with torch.inference_mode():
                 logits = self.decoder(
