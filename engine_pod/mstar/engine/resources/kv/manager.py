@@ -90,8 +90,7 @@ class KVCacheResource(Resource):
         if self.prefix is None:
             return 0
         with self._lock:
-            owners = self.arena.owners
-            return sum(1 for p in self.prefix.pages() if owners[p] == 1)
+            return self.prefix.num_idle()
 
     @property
     def usage(self) -> float:

@@ -63,6 +63,11 @@ class PrefixIndex:
         """Every page the index holds a reference on."""
         return list(self._page_keys)
 
+    def num_idle(self) -> int:
+        """Indexed pages no request holds (the index is their only owner): cached, not in use."""
+        owners = self._arena.owners
+        return sum(1 for p in self._page_keys if owners[p] == 1)
+
     def holds(self, page: int) -> bool:
         return page in self._page_keys
 
