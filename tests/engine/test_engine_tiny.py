@@ -11,6 +11,7 @@ from models import TINY_VOCAB, hf_greedy
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
+from mstar.engine.outputs import ErrorKind
 from mstar.engine.request import RequestStatus
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 
@@ -108,7 +109,8 @@ def test_request_too_long_for_pool_fails_cleanly_while_others_finish(
     outs = _drain(engine)
     big, ok = outs["big"][-1], outs["ok"][-1]
     assert big.finished and big.finish_reason == "error"
-    assert "KV" in (big.error or "") or "pages" in (big.error or "")
+    assert big.error is not None and big.error.kind is ErrorKind.REJECTED
+    assert "KV" in big.error.message or "pages" in big.error.message
     assert ok.finished and ok.finish_reason == "length" and ok.num_output_tokens == 4
     refusals = [e for o in outs["big"] for e in o.events if e.name == "admit_refused"]
     assert refusals and refusals[0].attributes["reason"] == "AdmitRuntimeError"

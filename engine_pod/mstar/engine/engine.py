@@ -30,7 +30,7 @@ from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
-from mstar.engine.outputs import RequestOutput
+from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.request import Request, RequestStatus
 from mstar.engine.resources.attention import AttentionResource
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
@@ -221,7 +221,7 @@ class LLMEngine:
         req = self._requests.get(request_id)
         if req is None or req.finished:
             return
-        self._finish(req, "abort")
+        self._finish(req, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return len(self.scheduler) > 0 or bool(self._finished)
@@ -270,8 +270,8 @@ class LLMEngine:
         while self.has_unfinished_requests():
             for o in self.step():
                 out[o.request_id].extend(o.new_token_ids)
-                if o.finish_reason == "error":
-                    errors[o.request_id] = o.error or "failed"
+                if o.error is not None:
+                    errors[o.request_id] = o.error.message
         if errors:
             raise RuntimeError(f"requests failed: {errors}")
         return [out[rid] for rid in ids]
@@ -345,7 +345,14 @@ class LLMEngine:
             culprit = self._isolate_terminal_refusal(rows)
             if culprit is not None:
                 culprit.event("admit_refused", now, **attrs)
-                self._fail(culprit, f"resource {resource} rejected the request: {reason.message}")
+                self._fail(
+                    culprit,
+                    RequestError(
+                        ErrorKind.REJECTED,
+                        f"resource {resource} rejected the request: {reason.message}",
+                        resource,
+                    ),
+                )
             return
         target = blamed or rows[-1].request
         target.event("admit_refused", now, **attrs)
@@ -447,7 +454,10 @@ class LLMEngine:
             log.exception("step failed; aborting the batch's requests")
             self.runner.abort_step(step)
             for r in rows:
-                self._fail(r.request, "internal error while running the model")
+                self._fail(
+                    r.request,
+                    RequestError(ErrorKind.INTERNAL, "internal error while running the model"),
+                )
             return
         for r in rows:
             req = r.request
@@ -472,22 +482,22 @@ class LLMEngine:
             if reason is not None:
                 self._finish(req, reason)
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
         if (
             not params.ignore_eos and token in self.eos_token_ids
         ) or token in params.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     # -- endings -------------------------------------------------------------------------------
-    def _fail(self, req: Request, message: str) -> None:
-        req.error = message
-        self._finish(req, "error")
+    def _fail(self, req: Request, error: RequestError) -> None:
+        req.error = error
+        self._finish(req, FinishReason.ERROR)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.discard(req)
         self.runner.remove_request(req.request_id)
         req.status = RequestStatus.FINISHED

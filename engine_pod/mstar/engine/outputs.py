@@ -6,8 +6,37 @@ telemetry itself, so observation cannot steer it.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended; the values are OpenAI's `finish_reason` strings."""
+
+    STOP = "stop"  # EOS or a stop token (stop strings are the server's)
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # the caller aborted it (disconnect, shutdown)
+    ERROR = "error"  # see `RequestOutput.error`
+
+
+class ErrorKind(enum.StrEnum):
+    """Whose fault a failed request is: the server maps this to an HTTP status."""
+
+    #: A resource refused it for good (`AdmitRuntimeError`): the request can never be served
+    #: as asked, e.g. it needs more KV pages than the pool has. A client error (400).
+    REJECTED = "rejected"
+    #: The engine failed while running it. A server error (500).
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """A typed failure: what kind, which resource refused (if one did), a user-facing message."""
+
+    kind: ErrorKind
+    message: str
+    resource: str | None = None
 
 
 @dataclass(frozen=True)
@@ -40,10 +69,9 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob] | None
     finished: bool
-    #: "stop" (EOS or a stop token), "length", "abort" or "error".
-    finish_reason: str | None = None
-    #: User-facing message when `finish_reason == "error"`.
-    error: str | None = None
+    finish_reason: FinishReason | None = None
+    #: Set when `finish_reason is FinishReason.ERROR`.
+    error: RequestError | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     #: Prompt tokens served from the prefix cache.

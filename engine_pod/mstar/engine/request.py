@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.engine.outputs import EngineEvent, TokenLogprob
+from mstar.engine.outputs import EngineEvent, FinishReason, RequestError, TokenLogprob
 from mstar.engine.sampling_params import SamplingParams
 
 
@@ -39,8 +39,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
+    finish_reason: FinishReason | None = None
+    error: RequestError | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
-from mstar.engine.outputs import RequestOutput
+from mstar.engine.outputs import ErrorKind, RequestError, RequestOutput
 from mstar.engine.sampling_params import InvalidParameter
 from mstar.engine.server import sse
 from mstar.engine.server.async_engine import AsyncEngine, EngineDeadError, EngineLike, NewRequest
@@ -184,8 +184,7 @@ class SubRequest:
     #: The engine accepted it; until then there is nothing to abort, count or trace.
     submitted: bool = False
     done: bool = False
-    error: str | None = None
-    admit_runtime_error: bool = False
+    error: RequestError | None = None
 
 
 class Generation:
@@ -354,18 +353,13 @@ class Generation:
             out.events,
             {"mstar.choice": sub.index, "mstar.engine_request_id": sub.request_id},
         )
-        if any(
-            e.name == "admit_refused" and e.attributes.get("reason") == "AdmitRuntimeError"
-            for e in out.events
-        ):
-            sub.admit_runtime_error = True
         choice = sub.choice
         if choice.add(out.new_token_ids, out.new_logprobs):
             self.state.async_engine.abort_request(sub.request_id)
             self._finalize(sub, "stop")
         elif out.finished:
-            if out.finish_reason == "error":
-                sub.error = out.error or "generation failed"
+            if out.error is not None:
+                sub.error = out.error
             choice.finish(out.finish_reason or "stop")
             self._finalize(sub, choice.finish_reason or "stop")
         return sub, choice.take()
@@ -410,11 +404,11 @@ class Generation:
         failed = [s for s in self.subs if s.error is not None]
         if not failed:
             return None
-        sub = failed[0]
-        assert self.req is not None
-        if sub.admit_runtime_error:
-            return bad_request(sub.error or "rejected", self.req.prompt_param)
-        return APIError(500, sub.error or "generation failed", type="internal_server_error")
+        error = failed[0].error
+        assert self.req is not None and error is not None
+        if error.kind is ErrorKind.REJECTED:
+            return bad_request(error.message, self.req.prompt_param)
+        return APIError(500, error.message, type="internal_server_error")
 
     # -- finishing -----------------------------------------------------------------------------
 
@@ -632,7 +626,7 @@ async def _stream(gen: Generation, req: GenerationRequest) -> web.StreamResponse
                     await response.write(sse.encode_event(gen.chunk(role)))
             for sub, delta in deltas:
                 if sub.error is not None and delta.finish_reason is not None:
-                    err = APIError(500, sub.error, type="internal_server_error")
+                    err = APIError(500, sub.error.message, type="internal_server_error")
                     await response.write(sse.encode_event(err.body()))
                 await response.write(sse.encode_event(gen.chunk([gen.stream_choice(sub, delta)])))
         if response is None:  # no output at all (cannot normally happen): still a valid stream

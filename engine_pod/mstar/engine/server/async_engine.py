@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mstar.engine.outputs import RequestOutput
+from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,14 @@ class AsyncEngine:
             (
                 sink,
                 RequestOutput(
-                    rid, [], None, True, "error", message, arrival_time=now, finished_time=now
+                    rid,
+                    [],
+                    None,
+                    True,
+                    FinishReason.ERROR,
+                    RequestError(ErrorKind.INTERNAL, message),
+                    arrival_time=now,
+                    finished_time=now,
                 ),
             )
             for rid, sink in self._sinks.items()
