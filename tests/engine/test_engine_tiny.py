@@ -137,10 +137,10 @@ def test_abort_in_every_state_frees_everything(tiny_llama_dir: Path, state: str)
     if state != "waiting":
         engine.step()
         engine.step()
-    req = engine._requests["a"]
+    req = engine.scheduler.requests["a"]
     if state == "offloaded":
         assert engine.runner.offload("a") > 0
-        engine.scheduler.mark_offloaded(req)
+        engine.step()  # admit meets the offloaded stream: the scheduler parks "a" as offloaded
         assert engine.kv.num_host_pages_used > 0
     assert req.status is RequestStatus(state)
     engine.abort_request("a")
@@ -210,7 +210,7 @@ def test_request_offloading_parks_without_evicting_then_finishes_exactly(
         (e.name, e.attributes["reason"]) for o in outs if o.request_id == "a" for e in o.events
     ]
     assert events == [("admit_refused", "RequestOffloading")]
-    assert engine._requests["a"].status is RequestStatus.OFFLOADED
+    assert engine.scheduler.requests["a"].status is RequestStatus.OFFLOADED
     assert engine.counters.offloads == offloads  # parked, nothing evicted for it
     assert len(tokens["b"]) == 2  # the rest of the batch went on in the same step
     while engine.has_unfinished_requests():

@@ -1,10 +1,18 @@
-"""A request's engine-side state: its live token list, how much of it the KV cache holds, status."""
+"""A request's engine-side state. One owner per fact:
+
+- the token list is written only through `Request.append_token`; resources get a read-only
+  `TokenView` of it (the KV cache keys prefix pages from it);
+- `num_computed` is whatever the KV cache has committed: the scheduler copies it from the cache
+  after each commit, prefix match and reset, and never computes it by hand;
+- sampler state (output count, penalty counts) lives in the sampler resource.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from mstar.engine.outputs import EngineEvent, FinishReason, RequestError, TokenLogprob
 from mstar.engine.sampling_params import SamplingParams
@@ -13,8 +21,27 @@ from mstar.engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never run, or dropped for recomputation: needs (re)prefill
     RUNNING = "running"  # holds device KV and is scheduled every step
-    OFFLOADED = "offloaded"  # its KV sits in host memory until reload
+    OFFLOADED = "offloaded"  # its KV sits in host memory (or is on its way there or back)
     FINISHED = "finished"
+
+
+class TokenView(Sequence[int]):
+    """Read-only live view of a request's tokens (prompt + generated), for resources."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._tokens[index]
 
 
 @dataclass(eq=False)
@@ -23,15 +50,18 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    #: prompt + generated tokens; the KV resource keys prefix pages from this very list.
-    token_ids: list[int] = field(default_factory=list)
-    #: tokens whose K/V the cache holds (mirrors the KV stream's stored length).
+    _tokens: list[int] = field(default_factory=list, repr=False)
+    #: Tokens whose K/V the cache holds: a copy of the KV stream's committed length.
     num_computed: int = 0
     num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     last_active_step: int = -1
+    #: Not scheduled (nor reloaded) before this time: an evicted victim's back-off.
     hold_until: float = 0.0
-    #: per-resource overrides handed to `runner.ingest_request` (kept for recomputation).
+    #: Not chosen as a victim before this time: it was just admitted or reloaded.
+    protected_until: float = 0.0
+    num_evictions: int = 0
+    #: per-resource overrides handed to `runner.ingest_request`.
     overrides: dict[str, Any] = field(default_factory=dict)
     pending_events: list[EngineEvent] = field(default_factory=list)
     pending_tokens: list[int] = field(default_factory=list)
@@ -43,8 +73,28 @@ class Request:
     error: RequestError | None = None
 
     def __post_init__(self) -> None:
-        if not self.token_ids:
-            self.token_ids = list(self.prompt_token_ids)
+        self._tokens = list(self.prompt_token_ids)
+        self.token_view = TokenView(self._tokens)
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        return self.token_view
+
+    def append_token(self, token: int, logprob: TokenLogprob | None) -> None:
+        """The one writer of the token list: a sampled token, delivered with the next output."""
+        self._tokens.append(token)
+        self.pending_tokens.append(token)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
+
+    def tokens_to_compute(self, num_tokens: int) -> list[int]:
+        """The next `num_tokens` tokens the cache does not hold yet."""
+        start = self.num_computed
+        return self._tokens[start : start + num_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -52,11 +102,11 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self._tokens) - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return len(self._tokens) - self.num_computed
 
     @property
     def finished(self) -> bool:

@@ -1,18 +1,53 @@
-"""Continuous batching: which requests run this step, with how many tokens, and who is evicted.
+"""The scheduler owns admission: who runs each step, and what happens when memory runs out.
 
-FCFS under a token budget: running requests go first (a decode token, or the next chunk of an
-unfinished prefill), then waiting requests in arrival order, the last one chunked to fit the
-budget. The scheduler only chooses; the engine asks the resources and reports refusals back
-(`choose_victim`), so every capacity decision is made by the resource that owns the capacity.
+Each step (`schedule`):
+
+1. **Reload** offloaded requests, oldest first, while free pages allow (FCFS: a younger one never
+   jumps ahead of an older one).
+2. **Pick rows** under the token budget: every running request (a decode token or its next
+   prefill chunk), then waiting requests in arrival order, each only if its whole remaining
+   prompt fits in free plus evictable pages, after what the running rows need this step and a
+   small watermark. A new arrival never causes an eviction: eviction exists to let *running*
+   requests grow. While an evicted request waits for reload, new arrivals wait too.
+3. **Declare and admit** the step through the `StepRunner`, answering each refusal by its type:
+   - `AllocationFailed` for a new row: drop it and later arrivals from this step. For a running
+     row: if pages are already on their way back (offloads in flight), park it this step;
+     otherwise evict one victim (LRU, or PRIORITY via `get_offload_priority`) that is neither
+     inside its protection window (just admitted or reloaded) nor evicted too often already.
+     The victim goes to host memory, or, when the host pool cannot take it, is reset in every
+     resource and prefilled again later (its tokens and sampler state stay).
+   - `RequestOffloading`: its KV is on the move; park it this step, evict nothing.
+   - `AdmitRuntimeError`: the request can never be served as asked; fail it (typed error).
+
+`update` commits the executed step, appends sampled tokens, applies stop rules and returns the
+requests' outputs. Every request ends finished, failed with a typed error, or aborted; removal
+frees all of its pages (device and host) at once.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.request import Request, RequestStatus
+from mstar.engine.resource_keys import ATTN, KV, LABEL, ROPE, SAMPLER
+from mstar.engine.resources.kv import KVCacheResource
+from mstar.engine.resources.runner import StepRunner
+from mstar.engine.resources.sampling import SampleOutput
+from mstar.engine.resources.step import (
+    AdmitRuntimeError,
+    AllocationFailed,
+    FullAdmitOutcome,
+    RequestOffloading,
+    ResourceStep,
+    Segment,
+    StepContext,
+    SubmoduleStep,
+)
 
 
 class ScheduledRow(NamedTuple):
@@ -20,96 +55,425 @@ class ScheduledRow(NamedTuple):
     num_tokens: int
 
 
-class Scheduler:
-    """Queues of waiting, running and offloaded requests, and the per-step batch choice."""
+@dataclass
+class ScheduledBatch:
+    """An admitted step: its rows, the declared step, and the rows that sample a token."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+    rows: list[ScheduledRow]
+    step: SubmoduleStep
+    sample_rows: list[int]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    #: "lru" or "priority".
+    eviction_policy: str = "lru"
+    max_model_len: int = 4096
+    eos_token_ids: frozenset[int] = frozenset()
+    #: An evicted victim is not reloaded before this; an admitted or reloaded request is not
+    #: evicted before this (no offload ping-pong).
+    hold_seconds: float = 0.05
+    #: A request evicted this many times is protected: it is never chosen again while any
+    #: other victim exists, so it finishes.
+    max_evictions: int = 2
+    #: Pages left free when admitting new requests, as a fraction of the pool (at least one).
+    watermark: float = 0.01
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative counts (tests assert that eviction paths really ran)."""
+
+    admit_failures: int = 0
+    evictions: int = 0
+    offloads: int = 0
+    reloads: int = 0
+    recomputations: int = 0
+
+
+@dataclass
+class StepResult:
+    """What the model runner hands back: the sampled tokens, or the error that stopped it."""
+
+    sampled: SampleOutput | None
+    error: RequestError | None = None
+
+
+class Scheduler:
+    """Queues of waiting, running and offloaded requests; admission, eviction and reload."""
+
+    def __init__(self, runner: StepRunner, kv: KVCacheResource, config: SchedulerConfig) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.config = config
+        self.counters = SchedulerCounters()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: In arrival order: reloads are FCFS.
         self.offloaded: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_index = 0
+        self._watermark = max(1, int(kv.num_pages * config.watermark))
+        self._touched: dict[str, Request] = {}
+        self._finished: list[Request] = []
+        self._priority: Callable[[Request, str], float] | None = (
+            self._offload_priority if config.eviction_policy == "priority" else None
+        )
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.offloaded)
 
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._finished)
+
+    # -- requests --------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        self.runner.ingest_request(request.request_id, request.overrides)
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def discard(self, request: Request) -> None:
-        """Forget the request, whatever queue holds it."""
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.OFFLOADED:
-            self.offloaded.remove(request)
+    def abort(self, request_id: str) -> None:
+        """Stop a request in any state; its pages (device and host) are freed at once."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, FinishReason.ABORT)
 
-    def requests(self) -> Iterable[Request]:
-        yield from self.running
-        yield from self.waiting
-        yield from self.offloaded
+    # -- schedule ----------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """This step's admitted batch, or None when nothing can run now."""
+        self.step_index += 1
+        now = time.monotonic()
+        self._reload(now)
+        rows = self._pick_rows(now)
+        while rows:
+            step, sample_rows = self._declare(rows)
+            outcome = self.runner.admit(step)
+            if outcome.ok:
+                for r in rows:
+                    if r.request.status is RequestStatus.WAITING:
+                        self._move(r.request, RequestStatus.RUNNING)
+                        r.request.protected_until = now + self.config.hold_seconds
+                    if r.request.first_scheduled_time is None:
+                        r.request.first_scheduled_time = now
+                return ScheduledBatch(rows, step, sample_rows)
+            rows = self._answer(outcome, rows, now)
+        return None
 
-    # -- transitions the engine drives ---------------------------------------------------------
-    def mark_running(self, request: Request) -> None:
-        if request.status is RequestStatus.RUNNING:
-            return
-        self.discard(request)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-
-    def mark_offloaded(self, request: Request) -> None:
-        self.discard(request)
-        request.status = RequestStatus.OFFLOADED
-        self.offloaded.append(request)
-
-    def requeue_for_recompute(self, request: Request) -> None:
-        """Its KV is gone but its tokens stay: prefill it again, ahead of newer arrivals."""
-        self.discard(request)
-        request.status = RequestStatus.WAITING
-        request.num_computed = 0
-        self.waiting.appendleft(request)
-
-    # -- the batch -----------------------------------------------------------------------------
-    def schedule(self, now: float) -> list[ScheduledRow]:
-        """This step's rows; statuses do not change until the engine admits them.
-
-        While evicted requests wait on host memory and others still run, the waiting queue
-        stays closed: pages freed by finishing requests go to the evicted (older) requests
-        first, so a stream of new arrivals cannot starve them.
-        """
+    def _pick_rows(self, now: float) -> list[ScheduledRow]:
+        cfg = self.config
         rows: list[ScheduledRow] = []
-        budget = self.max_num_batched_tokens
-        queues = (
-            (self.running,) if self.offloaded and self.running else (self.running, self.waiting)
-        )
-        for queue in queues:
-            for req in queue:
-                if len(rows) >= self.max_num_seqs or budget <= 0:
-                    return rows
-                if req.hold_until > now:
-                    continue
-                n = min(req.num_uncomputed, budget)
-                if n <= 0:
-                    continue
-                rows.append(ScheduledRow(req, n))
-                budget -= n
+        budget = cfg.max_num_batched_tokens
+        available = self.kv.num_free_pages + self.kv.num_cached_pages - self._watermark
+        for req in self.running:
+            if len(rows) >= cfg.max_num_seqs or budget <= 0:
+                return rows
+            if req.hold_until > now:
+                continue
+            n = min(req.num_uncomputed, budget)
+            if n <= 0:
+                continue
+            rows.append(ScheduledRow(req, n))
+            budget -= n
+            available -= self._pages_needed(req, n)
+        if self.offloaded:
+            return rows  # freed pages go to the evicted (older) requests first
+        ps = self.kv.page_size
+        for req in self.waiting:
+            if len(rows) >= cfg.max_num_seqs or budget <= 0 or req.hold_until > now:
+                break
+            # Waiting requests hold no pages: the prefix is only probed until they are admitted.
+            cached = self.kv.probe_prefix(req.token_ids) if self.kv.prefix is not None else 0
+            need = -(-req.num_tokens // ps) - cached // ps
+            # A request bigger than the whole pool goes to admit, so the KV cache refuses it
+            # (AdmitRuntimeError) instead of it blocking the queue forever.
+            if need > available and need <= self.kv.num_pages and (rows or self.running):
+                break
+            self._match_prefix(req)
+            n = min(req.num_uncomputed, budget)
+            rows.append(ScheduledRow(req, n))
+            budget -= n
+            available -= need
         return rows
 
+    def _pages_needed(self, req: Request, num_tokens: int) -> int:
+        ps = self.kv.page_size
+        total = (req.num_computed + num_tokens + ps - 1) // ps
+        return max(0, total - self.kv.pages_held_by(req.request_id))
 
-def choose_victim(
-    candidates: Iterable[Request],
-    batch_ids: set[str],
-    priority: Callable[[Request], float] | None = None,
-) -> Request | None:
-    """Pick whom to evict: outside the batch first; LRU by last step (newest arrival on ties),
-    or, under the PRIORITY policy, the highest `priority` (the resource's offload priority)."""
-    pool = list(candidates)
-    if not pool:
+    def _match_prefix(self, req: Request) -> None:
+        """Reuse cached prefix pages for a request about to (re)prefill."""
+        if req.num_computed == 0 and self.kv.prefix is not None:
+            matched = self.kv.match_prefix(req.request_id, req.token_ids)
+            req.num_computed = matched
+            req.num_cached_tokens = max(req.num_cached_tokens, matched)
+
+    def _unmatch(self, req: Request) -> None:
+        """Give back the prefix pages a waiting request matched for a step it did not get."""
+        if req.status is RequestStatus.WAITING and self.kv.pages_held_by(req.request_id):
+            self.runner.reset_request(req.request_id, free=True)
+            req.num_computed = self.kv.stored_len(req.request_id)
+
+    def _declare(self, rows: list[ScheduledRow]) -> tuple[SubmoduleStep, list[int]]:
+        """The step over `rows` (one Segment per request) and the rows that sample this step."""
+        segments = [Segment(r.request.request_id, LABEL, r.num_tokens) for r in rows]
+        steps: dict[str, ResourceStep] = {KV: ResourceStep(), ATTN: ResourceStep()}
+        steps[ROPE] = ResourceStep()
+        sample_rows = [i for i, r in enumerate(rows) if r.num_tokens == r.request.num_uncomputed]
+        if sample_rows:
+            steps[SAMPLER] = ResourceStep(tuple(segments[i] for i in sample_rows))
+        step = SubmoduleStep(steps, segments)
+        step.set_ctx(StepContext([s.request_id for s in segments], "llm", 0, False))
+        return step, sample_rows
+
+    # -- refusals ----------------------------------------------------------------------------------
+    def _answer(
+        self, outcome: FullAdmitOutcome, rows: list[ScheduledRow], now: float
+    ) -> list[ScheduledRow]:
+        """Answer one refusal; returns the rows to try again (always fewer, or a victim gone)."""
+        reason = outcome.reason
+        resource = outcome.failed_resource or "?"
+        self.counters.admit_failures += 1
+        in_batch = {r.request.request_id: i for i, r in enumerate(rows)}
+        index = in_batch.get(getattr(reason, "request_id", None) or "", len(rows) - 1)
+        blamed = rows[index].request
+        attrs: dict[str, Any] = {
+            "reason": type(reason).__name__,
+            "resource": resource,
+            "message": reason.message if reason is not None else "",
+        }
+        if isinstance(reason, AllocationFailed):
+            attrs.update(pages_short=reason.pages_short, label=reason.label)
+        if isinstance(reason, AdmitRuntimeError):
+            culprit = self._isolate_terminal_refusal(rows) or blamed
+            self._event(culprit, "admit_refused", now, attrs)
+            message = f"resource {resource} rejected the request: {reason.message}"
+            self._finish(culprit, FinishReason.ERROR, RequestError(ErrorKind.REJECTED, message))
+            return [r for r in rows if r.request is not culprit]
+        self._event(blamed, "admit_refused", now, attrs)
+        if isinstance(reason, RequestOffloading):
+            if (
+                blamed.status is RequestStatus.RUNNING
+                and not self.kv.copy_in_flight(blamed.request_id)
+                and self.runner.is_offloaded(blamed.request_id)
+            ):
+                self._move(blamed, RequestStatus.OFFLOADED)  # offloaded behind our back
+            return rows[:index] + rows[index + 1 :]
+        if blamed.status is RequestStatus.WAITING:
+            # A new arrival that does not fit waits, holding nothing; it never evicts anyone.
+            for r in rows[index:]:
+                self._unmatch(r.request)
+            return rows[:index]
+        if isinstance(reason, AllocationFailed) and (
+            self.kv.num_pages_in_transit >= reason.pages_short
+        ):
+            return rows[:index] + rows[index + 1 :]  # pages are on their way: wait for them
+        victim = self._choose_victim(resource, blamed, now)
+        if victim is None:
+            blamed.hold_until = now + self.config.hold_seconds
+            return rows[:index] + rows[index + 1 :]
+        self._evict(victim, resource, now)
+        return [r for r in rows if r.request is not victim]
+
+    def _choose_victim(self, resource: str, blamed: Request, now: float) -> Request | None:
+        """The running request to evict: outside its protection window, not evicted too often;
+        LRU by last active step (newest arrival on ties), or the highest offload priority."""
+        candidates = [
+            r
+            for r in self.running
+            if r.protected_until <= now and self.runner.reclaimable(r.request_id, [resource]) > 0
+        ]
+        fresh = [r for r in candidates if r.num_evictions < self.config.max_evictions]
+        pool = fresh or [r for r in candidates if r is blamed]
+        if not pool:
+            return None
+        if self._priority is not None:
+            priority = self._priority
+            return max(pool, key=lambda r: (priority(r, resource), r.arrival_time))
+        return min(pool, key=lambda r: (r.last_active_step, -r.arrival_time))
+
+    def _offload_priority(self, req: Request, resource: str) -> float:
+        return self.runner.offload_priority(req.request_id, [resource])
+
+    def _evict(self, victim: Request, resource: str, now: float) -> None:
+        self.counters.evictions += 1
+        victim.num_evictions += 1
+        victim.hold_until = now + self.config.hold_seconds
+        freed = self.runner.offload(victim.request_id, [resource])
+        if freed > 0:
+            self.counters.offloads += 1
+            self._move(victim, RequestStatus.OFFLOADED)
+            self._event(victim, "evicted", now, {"resource": resource, "pages": freed})
+            self._event(victim, "offloaded", now, {"resource": resource, "pages": freed})
+            return
+        # The host pool cannot take it: drop its state everywhere, keep its tokens.
+        pages = self.runner.reclaimable(victim.request_id, [resource])
+        self.runner.reset_request(victim.request_id, free=True)
+        victim.num_computed = self.kv.stored_len(victim.request_id)
+        self.counters.recomputations += 1
+        self._move(victim, RequestStatus.WAITING, front=True)
+        attrs = {"resource": resource, "pages": pages, "mode": "recompute"}
+        self._event(victim, "evicted", now, attrs)
+        self._event(victim, "recomputed", now, {"resource": resource, "tokens": victim.num_tokens})
+
+    def _isolate_terminal_refusal(self, rows: list[ScheduledRow]) -> Request | None:
+        """A batch refusal that no eviction cures: find which row can never be served."""
+        if len(rows) == 1:
+            return rows[0].request
+        for r in rows:
+            probe, _ = self._declare([r])
+            outcome = self.runner.admit(probe)
+            if outcome.ok:
+                self.runner.abort_step(probe)
+            elif isinstance(outcome.reason, AdmitRuntimeError):
+                return r.request
         return None
-    outside = [r for r in pool if r.request_id not in batch_ids]
-    pool = outside or pool
-    if priority is not None:
-        return max(pool, key=lambda r: (priority(r), r.arrival_time))
-    return min(pool, key=lambda r: (r.last_active_step, -r.arrival_time))
+
+    def _reload(self, now: float) -> None:
+        """Bring offloaded requests back, oldest first, while free pages allow."""
+        ps = self.kv.page_size
+        for req in list(self.offloaded):
+            if req.hold_until > now or self.kv.copy_in_flight(req.request_id):
+                return
+            room = self.kv.num_free_pages + self.kv.num_cached_pages - self._watermark
+            if self.running and room < -(-req.num_computed // ps) + 1:  # its pages + one to grow
+                return
+            if not self.runner.reload(req.request_id):
+                return
+            self.counters.reloads += 1
+            req.protected_until = now + self.config.hold_seconds
+            self._event(req, "reloaded", now, {})
+            self._move(req, RequestStatus.RUNNING)
+
+    # -- update ------------------------------------------------------------------------------------
+    def update(
+        self, batch: ScheduledBatch | None, result: StepResult | None
+    ) -> list[RequestOutput]:
+        """Commit the executed step, record sampled tokens, end what stopped; the outputs."""
+        if batch is not None and result is not None:
+            if result.error is not None:
+                self.runner.abort_step(batch.step)
+                for r in batch.rows:
+                    self._finish(r.request, FinishReason.ERROR, result.error)
+            else:
+                self._commit(batch, result.sampled)
+        return self._collect_outputs()
+
+    def _commit(self, batch: ScheduledBatch, sampled: SampleOutput | None) -> None:
+        self.runner.commit(batch.step)
+        kv, step_index = self.kv, self.step_index
+        for r in batch.rows:
+            req = r.request
+            req.num_computed = kv.stored_len(req.request_id)
+            req.last_active_step = step_index
+            self._touched[req.request_id] = req
+        if sampled is None:
+            return
+        done = time.monotonic()
+        logprobs = sampled.logprobs
+        for j, i in enumerate(batch.sample_rows):
+            req = batch.rows[i].request
+            token = sampled.token_ids[j]
+            req.append_token(token, None if logprobs is None else logprobs[j])
+            if req.first_token_time is None:
+                req.first_token_time = done
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.params
+        if (
+            not params.ignore_eos and token in self.config.eos_token_ids
+        ) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if (
+            req.num_output_tokens >= params.max_tokens
+            or req.num_tokens >= self.config.max_model_len
+        ):
+            return FinishReason.LENGTH
+        return None
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def _move(self, req: Request, status: RequestStatus, front: bool = False) -> None:
+        self._unqueue(req)
+        req.status = status
+        if status is RequestStatus.RUNNING:
+            self.running.append(req)
+        elif status is RequestStatus.WAITING:
+            self.waiting.appendleft(req) if front else self.waiting.append(req)
+        elif status is RequestStatus.OFFLOADED:
+            self.offloaded.append(req)
+            self.offloaded.sort(key=lambda r: r.arrival_time)
+
+    def _unqueue(self, req: Request) -> None:
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.OFFLOADED:
+            self.offloaded.remove(req)
+
+    def _event(self, req: Request, name: str, now: float, attrs: dict[str, Any]) -> None:
+        req.event(name, now, **attrs)
+        self._touched[req.request_id] = req
+
+    def _finish(
+        self, req: Request, reason: FinishReason, error: RequestError | None = None
+    ) -> None:
+        self._unqueue(req)
+        self.runner.remove_request(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finished_time = time.monotonic()
+        self._touched.pop(req.request_id, None)
+        self._finished.append(req)
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outputs = [
+            _output(req)
+            for req in self._touched.values()
+            if req.pending_tokens or req.pending_events
+        ]
+        self._touched.clear()
+        for req in self._finished:
+            outputs.append(_output(req))
+            del self.requests[req.request_id]
+        self._finished.clear()
+        return outputs
+
+
+def _output(req: Request) -> RequestOutput:
+    """The request's progress since its previous output (deltas, then cleared)."""
+    out = RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=req.pending_tokens,
+        new_logprobs=req.pending_logprobs if req.params.logprobs is not None else None,
+        finished=req.finished,
+        finish_reason=req.finish_reason,
+        error=req.error,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        events=req.pending_events,
+        arrival_time=req.arrival_time,
+        first_scheduled_time=req.first_scheduled_time,
+        first_token_time=req.first_token_time,
+        finished_time=req.finished_time,
+    )
+    req.pending_tokens, req.pending_logprobs, req.pending_events = [], [], []
+    return out
+
+
+__all__ = [
+    "ScheduledBatch",
+    "ScheduledRow",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerCounters",
+    "StepResult",
+]

@@ -145,6 +145,11 @@ class StepRunner:
         for key in self.order:
             self.resources[key].remove_request(request_id)
 
+    def reset_request(self, request_id: str, free: bool = False) -> None:
+        """Reset the request in every resource at once (recompute drops all of its state)."""
+        for key in self.order:
+            self.resources[key].reset_request(request_id, free)
+
     def admit_retrieve(
         self,
         request_id: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +55,12 @@ class KVConfig:
 class KVRequestConfig:
     """Per-request KV override handed to `ingest_request`.
 
-    ``token_ids`` is a reference to the request's *live* token list (prompt + generated; the
-    scheduler appends to it). The cache never copies it: at commit it reads the tokens of each
+    ``token_ids`` is a read-only live view of the request's tokens (prompt + generated; the
+    request appends to it). The cache never copies it: at commit it reads the tokens of each
     newly filled page to key the prefix index.
     """
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
 
 
 @dataclass

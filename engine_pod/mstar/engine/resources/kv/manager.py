@@ -17,6 +17,7 @@ while an offload copies (a claim/copy/commit split is the known way to lift that
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from mstar.engine.resources.base import Resource
@@ -67,7 +68,7 @@ class KVCacheResource(Resource):
             else None
         )
         self._streams: dict[str, dict[str, Stream]] = {}
-        self._tokens: dict[str, list[int]] = {}
+        self._tokens: dict[str, Sequence[int]] = {}
         self._lock = threading.RLock()
         self._debug = debug_asserts_enabled()
         #: Prompt tokens looked up / served from the prefix index (vLLM's hit-rate semantics).
@@ -149,7 +150,29 @@ class KVCacheResource(Resource):
                     self._drop_stream_storage(stream)
             self._check()
 
-    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def reset_request(self, request_id: str, free: bool = False) -> None:
+        """Drop the request's KV (device and host) but keep it ingested: it prefills again."""
+        with self._lock:
+            per = self._streams.get(request_id)
+            if per is None:
+                return
+            for stream in per.values():
+                self._drop_stream_storage(stream)
+            self._streams[request_id] = {MAIN_LABEL: Stream()}
+            self._check()
+
+    @property
+    def num_pages_in_transit(self) -> int:
+        """Device pages claimed by offloads whose copy has not landed (synchronous: none)."""
+        return 0
+
+    def copy_in_flight(self, request_id: str) -> bool:
+        return False
+
+    def wait_copies(self, timeout: float | None = None) -> None:
+        """Block until no copy is in flight (copies are synchronous here)."""
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Reuse indexed pages for the request's prompt; returns the number of tokens reused.
 
         Whole pages only, at most ``len(token_ids) - 1`` tokens so at least one is computed.
@@ -169,18 +192,7 @@ class KVCacheResource(Resource):
                 # the request's tokens the cache holds; counted once, never re-matched.
                 return stream.stored_len
             self.prefix_queries += len(token_ids)
-            pages: list[int] = []
-            keys: list[bytes] = []
-            if self.prefix is not None:
-                parent = ROOT_KEY
-                for i in range(max(len(token_ids) - 1, 0) // ps):
-                    key = chain_key(parent, token_ids[i * ps : (i + 1) * ps])
-                    page = self.prefix.get(key)
-                    if page is None:
-                        break
-                    pages.append(page)
-                    keys.append(key)
-                    parent = key
+            pages, keys = self._lookup_prefix(token_ids)
             self.arena.retain(pages)
             stream.pages = pages
             stream.keys = keys
@@ -189,6 +201,29 @@ class KVCacheResource(Resource):
             self.prefix_hits += matched
             self._check()
             return matched
+
+    def probe_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens `match_prefix` would reuse now; takes nothing and counts nothing."""
+        with self._lock:
+            return len(self._lookup_prefix(token_ids)[0]) * self.page_size
+
+    def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Indexed pages (and their keys) of the longest whole-page prefix, at most len - 1."""
+        pages: list[int] = []
+        keys: list[bytes] = []
+        if self.prefix is None:
+            return pages, keys
+        ps = self.page_size
+        parent = ROOT_KEY
+        for i in range(max(len(token_ids) - 1, 0) // ps):
+            key = chain_key(parent, token_ids[i * ps : (i + 1) * ps])
+            page = self.prefix.get(key)
+            if page is None:
+                break
+            pages.append(page)
+            keys.append(key)
+            parent = key
+        return pages, keys
 
     # -- per step ------------------------------------------------------------------------------
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
