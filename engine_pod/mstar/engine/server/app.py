@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 import time
@@ -23,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
 from mstar.engine.outputs import ErrorKind, RequestError, RequestOutput
@@ -35,6 +36,7 @@ from mstar.engine.server.protocol import (
     APIError,
     GenerationRequest,
     bad_request,
+    decode_json_body,
     model_not_found,
     parse_chat_request,
     parse_completion_request,
@@ -99,7 +101,8 @@ async def error_middleware(
         if exc.status < 400:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return _error_response(APIError(exc.status, exc.reason, type=kind))
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _error_response(APIError(exc.status, exc.reason, type=kind, headers=allow))
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client is gone; nobody to answer
     except Exception as exc:
@@ -117,7 +120,10 @@ async def auth_middleware(
     if key and request.path.startswith("/v1/"):
         given = request.headers.get("Authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes: compare the bytes
+        # the client sent, so a malformed header is just a wrong key (401).
+        sent = token.encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(sent, key.encode()):
             raise APIError(
                 401,
                 "Incorrect API key provided." if token else "Missing API key (Authorization).",
@@ -171,6 +177,25 @@ async def models(request: web.Request) -> web.Response:
 # -- generation ----------------------------------------------------------------------------------
 
 
+async def read_json_body(request: web.Request) -> Any:
+    """The request's JSON body; a body that cannot be read, decompressed or decoded is a 400.
+
+    Reading can fail in aiohttp (a `Content-Encoding` the bytes do not match, a malformed
+    chunked body); everything after the bytes is `decode_json_body`'s. Too large a body stays
+    aiohttp's 413.
+    """
+    try:
+        raw = await request.read()
+    except (HttpProcessingError, RequestPayloadError) as exc:
+        reason = " ".join(str(exc.__cause__ or exc).split())
+        raise bad_request(f"Cannot read the request body: {reason}") from exc
+    try:
+        charset = request.charset
+    except ValueError as exc:  # a Content-Type header aiohttp cannot parse
+        raise bad_request(f"Invalid Content-Type header: {exc}") from exc
+    return decode_json_body(raw, charset)
+
+
 @dataclass
 class SubRequest:
     """One engine request: prompt `prompt_index`, choice `index` of the response."""
@@ -218,10 +243,7 @@ class Generation:
     # -- setup ---------------------------------------------------------------------------------
 
     async def parse(self) -> GenerationRequest:
-        try:
-            body = await self.request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"Invalid JSON body: {exc}") from exc
+        body = await read_json_body(self.request)
         req = parse_chat_request(body) if self.kind == "chat" else parse_completion_request(body)
         if req.model is not None and req.model != self.state.model_name:
             raise model_not_found(req.model)
@@ -252,12 +274,12 @@ class Generation:
             except Exception as exc:  # template errors are the conversation's fault
                 raise bad_request(f"Cannot apply the chat template: {exc}", "messages") from exc
             self.prompt_texts = [text]
-            return [tok.encode(text, add_special_tokens=False)]
+            return [_encode(tok, text, "messages")]
         ids: list[list[int]] = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
                 self.prompt_texts.append(prompt)
-                ids.append(tok.encode(prompt, add_special_tokens=False))
+                ids.append(_encode(tok, prompt, "prompt"))
             else:
                 self.prompt_texts.append("")
                 ids.append(list(prompt))
@@ -503,6 +525,14 @@ class Generation:
             "logprobs": lp,
             "finish_reason": delta.finish_reason,
         }
+
+
+def _encode(tok: Any, text: str, param: str) -> list[int]:
+    """Tokenize prompt text; text the tokenizer cannot take is the request's fault (400)."""
+    try:
+        return list(tok.encode(text, add_special_tokens=False))
+    except Exception as exc:
+        raise bad_request(f"Cannot tokenize the {param}: {exc}", param) from exc
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
