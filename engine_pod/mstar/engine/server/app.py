@@ -32,6 +32,7 @@ from mstar.engine.server import sse
 from mstar.engine.server.async_engine import AsyncEngine, EngineDeadError, EngineLike, NewRequest
 from mstar.engine.server.generation import ChoiceState, Delta, chat_logprobs, completion_logprobs
 from mstar.engine.server.metrics import ServerMetrics
+from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import (
     APIError,
     GenerationRequest,
@@ -172,6 +173,12 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": state.max_model_len,
     }
     return web.json_response({"object": "list", "data": [card]})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    doc = openapi_document(state.model_name, state.max_model_len, guarded=state.api_key is not None)
+    return web.json_response(doc)
 
 
 # -- generation ----------------------------------------------------------------------------------
@@ -708,6 +715,7 @@ def build_app(
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
 
