@@ -127,7 +127,7 @@ def test_tiny_kv_pool_traces_refusals_and_evictions(tiny_chat_dir: Path, referen
                 assert children == {"queue", "prefill", "decode"}
                 for log in root["logs"]:
                     fields = log_fields(log)
-                    counts[fields["event"]] += 1
+                    counts[fields["event"]] += fields["mstar.count"]
                     if fields["event"] == "admit_refused":
                         assert fields["reason"] in ("AllocationFailed", "RequestOffloading")
                         assert fields["resource"] == "kv"

@@ -235,7 +235,7 @@ class Generation:
         self.prompt_texts: list[str] = []
         self.status = 200
         self.error: str | None = None
-        self.span = self.state.telemetry.start_request(
+        self.trace = self.state.telemetry.start_request(
             request.headers,
             {
                 "gen_ai.request.id": self.id,
@@ -256,7 +256,7 @@ class Generation:
             raise model_not_found(req.model)
         self.req = req
         p = req.params
-        self.span.set_attributes(
+        self.trace.span.set_attributes(
             {
                 "gen_ai.request.model": req.model or self.state.model_name,
                 "gen_ai.response.model": self.state.model_name,
@@ -268,9 +268,9 @@ class Generation:
             }
         )
         if p.seed is not None:
-            self.span.set_attribute("gen_ai.request.seed", p.seed)
+            self.trace.span.set_attribute("gen_ai.request.seed", p.seed)
         if req.max_tokens is not None:
-            self.span.set_attribute("gen_ai.request.max_tokens", req.max_tokens)
+            self.trace.span.set_attribute("gen_ai.request.max_tokens", req.max_tokens)
         return req
 
     def tokenize(self, req: GenerationRequest) -> list[list[int]]:
@@ -313,7 +313,7 @@ class Generation:
                 new.append(
                     NewRequest(rid, ids, params, self._sink(len(self.subs) - 1), self.arrival)
                 )
-        self.span.set_attribute("gen_ai.request.max_tokens", new[0].params.max_tokens)
+        self.trace.span.set_attribute("gen_ai.request.max_tokens", new[0].params.max_tokens)
         return new
 
     def _sink(self, position: int) -> Callable[[RequestOutput], None]:
@@ -374,14 +374,16 @@ class Generation:
 
     def _absorb(self, position: int, out: RequestOutput) -> tuple[SubRequest, Delta | None]:
         sub = self.subs[position]
-        if sub.done:
-            return sub, None
-        sub.last = out
+        # Events first: /metrics counted them, so the span shows them even after a stop string
+        # ended the choice while the engine was still stepping it.
         self.state.telemetry.add_events(
-            self.span,
+            self.trace,
             out.events,
             {"mstar.choice": sub.index, "mstar.engine_request_id": sub.request_id},
         )
+        if sub.done:
+            return sub, None
+        sub.last = out
         choice = sub.choice
         if choice.add(out.new_token_ids, out.new_logprobs):
             self.state.async_engine.abort_request(sub.request_id)
@@ -411,7 +413,7 @@ class Generation:
             first_token=first_token,
         )
         self.state.telemetry.add_phases(
-            self.span,
+            self.trace,
             arrival=self.arrival,
             first_scheduled=scheduled,
             first_token=first_token,
@@ -474,7 +476,7 @@ class Generation:
             attrs["gen_ai.usage.cached_tokens"] = first.num_cached_tokens
         end = time.monotonic()
         attrs["gen_ai.latency.e2e"] = end - self.arrival
-        self.state.telemetry.end_request(self.span, attrs, end, error=self.error)
+        self.state.telemetry.end_request(self.trace, attrs, end, error=self.error)
 
     def prompt_tokens(self) -> int:
         seen: dict[int, int] = {}
