@@ -166,7 +166,6 @@ def chat_request(max_model_len: int) -> Schema:
 
 
 FINISH_REASON: Schema = {"enum": [r.value for r in FinishReason]}
-OPEN_FINISH_REASON: Schema = {"anyOf": [FINISH_REASON, {"type": "null"}]}
 
 USAGE: Schema = {
     "type": "object",
@@ -220,7 +219,18 @@ CHAT_LOGPROBS: Schema = {
 }
 
 
-def _response_envelope(obj: str, choice: Schema) -> Schema:
+def _response(obj: str, field: str, content: Schema, logprobs: Schema) -> Schema:
+    """A non-streamed response whose choices carry `field` (text or message)."""
+    choice = {
+        "type": "object",
+        "required": ["index", field, "logprobs", "finish_reason"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            field: content,
+            "logprobs": _nullable(logprobs),
+            "finish_reason": FINISH_REASON,
+        },
+    }
     return {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices", "usage"],
@@ -235,37 +245,13 @@ def _response_envelope(obj: str, choice: Schema) -> Schema:
     }
 
 
-COMPLETION_RESPONSE = _response_envelope(
-    "text_completion",
-    {
-        "type": "object",
-        "required": ["index", "text", "logprobs", "finish_reason"],
-        "properties": {
-            "index": {"type": "integer", "minimum": 0},
-            "text": {"type": "string"},
-            "logprobs": _nullable(COMPLETION_LOGPROBS),
-            "finish_reason": FINISH_REASON,
-        },
-    },
-)
-
-CHAT_RESPONSE = _response_envelope(
-    "chat.completion",
-    {
-        "type": "object",
-        "required": ["index", "message", "logprobs", "finish_reason"],
-        "properties": {
-            "index": {"type": "integer", "minimum": 0},
-            "message": {
-                "type": "object",
-                "required": ["role", "content"],
-                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-            },
-            "logprobs": _nullable(CHAT_LOGPROBS),
-            "finish_reason": FINISH_REASON,
-        },
-    },
-)
+COMPLETION_RESPONSE = _response("text_completion", "text", {"type": "string"}, COMPLETION_LOGPROBS)
+ASSISTANT_MESSAGE: Schema = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+}
+CHAT_RESPONSE = _response("chat.completion", "message", ASSISTANT_MESSAGE, CHAT_LOGPROBS)
 
 ERROR: Schema = {
     "type": "object",
