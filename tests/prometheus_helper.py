@@ -5,7 +5,7 @@
         rows = query(base_url, 'sum(mstar:num_requests_running)')
 
 Uses the `prometheus` binary on PATH (Debian's package; scripts/install-test-tools.sh installs it).
-Tests that need it should skip when `prometheus_available()` is false.
+Tests that need it call `external_tools.require_tool("prometheus")` first (skip, or fail in CI).
 """
 
 from __future__ import annotations
@@ -23,10 +23,6 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-
-def prometheus_available() -> bool:
-    return shutil.which("prometheus") is not None
 
 
 def _free_port() -> int:

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from external_tools import has_tool_or_warn, require_tool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chart_render import granted_rules, helm_available
+from chart_render import granted_rules
 from kube_emulator import EmulatedCluster
 from op_harness import CRD, Kubectl, Operator, operator_calls
 
 
 @pytest.fixture()
 def cluster(tmp_path: Path) -> Iterator[EmulatedCluster]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed (scripts/install-test-tools.sh installs it)")
+    require_tool("kubectl")
     with EmulatedCluster(tmp_path) as emulated:
         Kubectl(emulated.kubeconfig).apply(CRD)
         yield emulated
@@ -43,7 +42,7 @@ def operator(
         return
     # Least privilege, checked against behaviour: the chart's ClusterRole must allow every call
     # the operator made in this test (and tests/operator/test_chart.py checks nothing more).
-    if helm_available():
+    if has_tool_or_warn("helm", "the chart's ClusterRole against the operator's calls"):
         missing = operator_calls(cluster) - granted_rules()
         assert not missing, f"the chart's ClusterRole lacks {sorted(missing)}"
 

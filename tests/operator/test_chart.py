@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from chart_render import CHART, granted_rules, helm_available, render
+from chart_render import CHART, granted_rules, render
+from external_tools import require_tool
 
 from mstar.operator import manifests
 
-pytestmark = pytest.mark.skipif(
-    not helm_available(), reason="helm is not installed (scripts/install-test-tools.sh installs it)"
-)
+
+@pytest.fixture(autouse=True)
+def _helm() -> None:
+    require_tool("helm")
+
 
 VARIANTS = {
     "defaults": (),
@@ -39,8 +41,7 @@ def test_helm_lint() -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
 def test_rendered_manifests_validate_strictly(variant: str, tmp_path: Path) -> None:
-    if shutil.which("kubernetes-validate") is None:
-        pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
+    require_tool("kubernetes-validate")
     docs = render(*VARIANTS[variant])
     out = tmp_path / "rendered.yaml"
     out.write_text(yaml.safe_dump_all(docs))

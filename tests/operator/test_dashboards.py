@@ -1,5 +1,6 @@
 """Every Grafana panel's PromQL, evaluated by a real Prometheus scraping a live engine server
-(the real `mstar-engine` app on a tiny model) under load: each query must return data."""
+(the real `mstar-engine` app on a tiny model) under load: each query must show the load, that
+is a value above 0 (a panel stuck at 0, or returning nothing, fails)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from external_tools import require_tool
 from live_server import LiveServer, make_engine
 from op_harness import ROOT
 
-from tests.prometheus_helper import prometheus_available, query, run_prometheus, wait_for_series
+from tests.prometheus_helper import query, run_prometheus, wait_for_series
 
 DASHBOARDS = sorted((ROOT / "charts" / "mstar" / "dashboards").glob("*.json"))
 
@@ -149,6 +151,7 @@ class Load:
 @pytest.fixture()
 def metrics_target(tiny_llama_dir: Path) -> Iterator[str]:
     """host:port of a real engine server (tiny model) under continuous load."""
+    require_tool("prometheus")
     engine = make_engine(
         tiny_llama_dir,
         num_pages=14,
@@ -160,11 +163,7 @@ def metrics_target(tiny_llama_dir: Path) -> Iterator[str]:
         yield f"127.0.0.1:{live.port}"
 
 
-@pytest.mark.skipif(
-    not prometheus_available(),
-    reason="prometheus is not installed (scripts/install-test-tools.sh installs it)",
-)
-def test_every_panel_query_evaluates_against_prometheus(metrics_target: str) -> None:
+def test_every_panel_shows_the_load(metrics_target: str) -> None:
     with run_prometheus([metrics_target], scrape_interval="1s") as prom:
         # Rates and quantiles need two samples inside the window: wait for the slowest kind.
         wait_for_series(prom, concrete("rate(mstar:evictions_total[$__rate_interval])"))
@@ -179,10 +178,12 @@ def test_every_panel_query_evaluates_against_prometheus(metrics_target: str) -> 
                     failures[title] = str(exc)
                     break
                 values = [float(r["value"][1]) for r in rows]
-                if any(math.isfinite(v) for v in values):
+                # The load runs, refuses, evicts, offloads, reloads, recomputes and hits the
+                # prefix cache all along, and keeps requests waiting: every panel moves.
+                if any(math.isfinite(v) and v > 0 for v in values):
                     break
                 if time.monotonic() > deadline:
-                    failures[title] = f"no finite value from {promql!r}: {rows}"
+                    failures[title] = f"never above 0: {promql!r} = {rows}"
                     break
                 time.sleep(0.25)
         assert failures == {}
@@ -190,14 +191,10 @@ def test_every_panel_query_evaluates_against_prometheus(metrics_target: str) -> 
         rows = query(prom, concrete(next(e for _, e in expressions() if "admit_failures" in e)))
         assert "AllocationFailed" in {r["metric"]["reason"] for r in rows}
         assert all(r["metric"]["resource"] == "kv" for r in rows)
-        for counter in ("offloads", "reloads", "recomputations", "prefix_cache_hits"):
-            total = query(prom, f"sum(mstar:{counter}_total)")
-            assert float(total[0]["value"][1]) > 0, f"the load never moved mstar:{counter}_total"
 
 
 def test_prometheus_helper_reports_promql_errors() -> None:
-    if not prometheus_available():
-        pytest.skip("prometheus is not installed (scripts/install-test-tools.sh installs it)")
+    require_tool("prometheus")
     with run_prometheus(["127.0.0.1:1"]) as prom:
         with pytest.raises(ValueError, match="bad_data"):
             query(prom, "sum(rate(x[5m])")

@@ -89,6 +89,9 @@ class OTLPReceiver:
             )
         tags = [_tag(kv) for kv in span.attributes]
         tags.append({"key": "span.kind", "type": "string", "value": _KIND.get(span.kind, "")})
+        # What the SDK dropped past its limits (OTLP carries the counts; zero is reported too).
+        dropped = span.dropped_events_count
+        tags.append({"key": "otel.dropped_events_count", "type": "int64", "value": dropped})
         if span.status.code == 2:
             tags.append({"key": "error", "type": "bool", "value": True})
             tags.append(

@@ -127,7 +127,7 @@ def test_tiny_kv_pool_traces_refusals_and_evictions(tiny_chat_dir: Path, referen
                 assert children == {"queue", "prefill", "decode"}
                 for log in root["logs"]:
                     fields = log_fields(log)
-                    counts[fields["event"]] += 1
+                    counts[fields["event"]] += fields["mstar.count"]
                     if fields["event"] == "admit_refused":
                         assert fields["reason"] in ("AllocationFailed", "RequestOffloading")
                         assert fields["resource"] == "kv"
@@ -280,39 +280,6 @@ def test_raw_sse_shape(server: LiveServer) -> None:
     assert all(c["usage"] is None for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-
-
-def test_request_larger_than_the_pool_is_a_400(tiny_chat_dir: Path) -> None:
-    """The engine's AdmitRuntimeError (can never fit) answers 400 naming the prompt."""
-    with LiveServer(make_engine(tiny_chat_dir, num_pages=12)) as live:
-
-        async def ask() -> list[tuple[int, Any]]:
-            long = " ".join(f"w{3 + i % 90}" for i in range(80))
-            bodies: list[tuple[str, dict[str, Any]]] = [
-                ("/v1/completions", {"prompt": long, "max_tokens": 4}),
-                ("/v1/completions", {"prompt": long, "max_tokens": 4, "stream": True}),
-                (
-                    "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": long}], "stream": True},
-                ),
-            ]
-            out = []
-            async with aiohttp.ClientSession() as session:
-                for path, body in bodies:
-                    async with session.post(live.url + path, json=body) as resp:
-                        out.append((resp.status, await resp.json()))
-            return out
-
-        results = asyncio.run(ask())
-        assert [s for s, _ in results] == [400, 400, 400]
-        assert [b["error"]["param"] for _, b in results] == ["prompt", "prompt", "messages"]
-        assert "KV pages" in results[0][1]["error"]["message"]
-        failures = live.metric(
-            "mstar:admit_failures_total", reason="AdmitRuntimeError", resource="kv"
-        )
-        assert failures == 3
-        assert live.metric("mstar:request_success_total", finished_reason="error") == 3
-        live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
 
 
 def test_stop_cuts_off_in_flight_requests_and_leaves_the_engine_empty(tiny_chat_dir: Path) -> None:

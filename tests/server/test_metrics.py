@@ -52,8 +52,9 @@ def samples(m: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 
 
 def value(m: ServerMetrics, name: str, **labels: str) -> float:
+    """One series' value; KeyError when it is not exported (absent is not zero)."""
     key = (name, tuple(sorted({"model_name": "tiny", **labels}.items())))
-    return samples(m).get(key, 0.0)
+    return samples(m)[key]
 
 
 def test_contract_names_exposed_with_model_label() -> None:
@@ -131,3 +132,12 @@ def test_registries_are_per_app() -> None:
     a.observe_event("reloaded", {})
     assert value(a, "mstar:reloads_total") == 1
     assert value(b, "mstar:reloads_total") == 0
+
+
+def test_outcome_series_exist_before_any_request() -> None:
+    """Every finish reason's counter is exported at 0 from the start (dashboards, deltas)."""
+    m = ServerMetrics("tiny")
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(m, "mstar:request_success_total", finished_reason=reason) == 0
+    with pytest.raises(KeyError):
+        value(m, "mstar:admit_failures_total", reason="AllocationFailed", resource="kv")

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, make_engine
 
 #: Greedy and never stopping at EOS, so lengths are exact.
 EXTRA = {"ignore_eos": True}
@@ -266,11 +267,35 @@ def test_errors_are_openai_shaped(
     assert err["param"] == param
 
 
-def test_errors_leave_no_pages_and_count_nothing(server: LiveServer) -> None:
-    before = server.metric("mstar:generation_tokens_total")
-    raw(server, "/v1/completions", {"prompt": "w1 " * 600})
-    server.wait_metric("mstar:kv_cache_usage_perc", 0.0)
-    assert server.metric("mstar:generation_tokens_total") == before
+def test_errors_leave_no_pages_and_count_nothing(tiny_chat_dir: Path) -> None:
+    """Requests the engine admits and then refuses for good (`AdmitRuntimeError`: 80 prompt
+    tokens never fit 12 pages of 4) answer 400 naming the prompt, streamed or not; they are
+    counted as errors, produce no tokens, hold no page, and the server serves on."""
+    with LiveServer(make_engine(tiny_chat_dir, num_pages=12)) as live:
+        long = " ".join(f"w{3 + i % 90}" for i in range(80))
+        tokens = live.metric("mstar:generation_tokens_total")
+        bodies: list[tuple[str, dict[str, Any]]] = [
+            ("/v1/completions", {"prompt": long, "max_tokens": 4}),
+            ("/v1/completions", {"prompt": long, "max_tokens": 4, "stream": True}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": long}], "stream": True},
+            ),
+        ]
+        results = [raw(live, path, body)[:2] for path, body in bodies]
+        assert [s for s, _ in results] == [400, 400, 400]
+        assert [b["error"]["param"] for _, b in results] == ["prompt", "prompt", "messages"]
+        assert "KV pages" in results[0][1]["error"]["message"]
+        refused = live.metric(
+            "mstar:admit_failures_total", reason="AdmitRuntimeError", resource="kv"
+        )
+        assert refused == 3  # they did reach the engine
+        assert live.metric("mstar:request_success_total", finished_reason="error") == 3
+        assert live.metric("mstar:generation_tokens_total") == tokens
+        live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
+        status, body, _ = raw(live, "/v1/completions", {"prompt": "w7 w8", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:

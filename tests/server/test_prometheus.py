@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
+from external_tools import require_tool
 from live_server import LiveServer, make_engine
 
-from tests.prometheus_helper import prometheus_available, query, run_prometheus, wait_for_series
+from tests.prometheus_helper import query, run_prometheus, wait_for_series
 
 from .test_load import run_streams
 
@@ -20,8 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "charts" / "mstar" / "dashboards").glob("*.json"))
 #: Shared by every prompt: two whole 4-token pages the prefix cache can serve.
 PREFIX = [20, 21, 22, 23, 24, 25, 26, 27]
-
-pytestmark = pytest.mark.skipif(not prometheus_available(), reason="prometheus not installed")
 
 
 def panel_exprs() -> list[str]:
@@ -51,6 +49,7 @@ def wait_equal(base: str, promql: str, expected: float, timeout: float = 30.0) -
 
 
 def test_prometheus_scrapes_the_server_and_dashboards_evaluate(tiny_chat_dir: Path) -> None:
+    require_tool("prometheus")
     engine = make_engine(tiny_chat_dir, num_pages=14, max_num_seqs=8, enable_prefix_caching=True)
     with LiveServer(engine) as live, run_prometheus([f"127.0.0.1:{live.port}"], "1s") as prom:
         wait_for_series(prom, 'mstar:num_requests_running{model_name="tiny"}')
@@ -79,7 +78,10 @@ def test_prometheus_scrapes_the_server_and_dashboards_evaluate(tiny_chat_dir: Pa
             prom, 'sum by (finished_reason) (mstar:request_success_total{model_name="tiny"})'
         )
         assert {r["metric"]["finished_reason"]: float(r["value"][1]) for r in rows} == {
-            "length": 24.0
+            "length": 24.0,
+            "stop": 0.0,  # every outcome's series exists from the start
+            "abort": 0.0,
+            "error": 0.0,
         }
 
         # Every dashboard panel parses and evaluates; the traffic panels show real values.

@@ -9,8 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mstar.engine.server.protocol import (
+    MAX_JSON_DEPTH,
     MAX_N,
     APIError,
+    decode_json_body,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,
@@ -84,6 +86,9 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     (comp(model=3), "model"),
     (comp(best_of=3), "best_of"),
     (comp(logit_bias={"5": 10}), "logit_bias"),
+    (comp(logit_bias=[1]), "logit_bias"),
+    (comp(logit_bias=0), "logit_bias"),
+    (comp(temperature=10**400), "temperature"),
     (comp(suffix="x"), "suffix"),
     (comp(echo=True, logprobs=1), "echo"),
     (comp(ignore_eos="no"), "ignore_eos"),
@@ -110,6 +115,10 @@ BAD_CHATS: list[tuple[Any, str | None]] = [
     (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (chat(logprobs=3), "logprobs"),
     (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(tools=0), "tools"),
+    (chat(messages=[{"role": {}, "content": "x"}]), "messages"),
+    (chat(messages=[{"role": "user", "content": "x", "name": 5}]), "messages"),
+    (chat(max_tokens="3", max_completion_tokens=4), "max_tokens"),
     (chat(response_format={"type": "json_object"}), "response_format"),
     (chat(temperature=3), "temperature"),
     ([1, 2], None),
@@ -228,3 +237,38 @@ def test_floats_accepted_iff_in_range(temperature: float, top_p: float) -> None:
     else:
         err = error_of(parse_completion_request, body)
         assert err.param == ("temperature" if not 0.0 <= temperature <= 2.0 else "top_p")
+
+
+def body_error(raw: bytes, charset: str | None = None) -> APIError:
+    with pytest.raises(APIError) as info:
+        decode_json_body(raw, charset)
+    assert info.value.status == 400 and info.value.message
+    return info.value
+
+
+def test_body_gate_turns_every_malformed_body_into_a_400() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000  # past the recursion limit
+    assert "nested deeper" in body_error(deep).message
+    shallow_enough_to_parse = b'{"prompt": ' + b"[" * 200 + b"]" * 200 + b"}"
+    err = body_error(shallow_enough_to_parse)
+    assert f"deeper than {MAX_JSON_DEPTH}" in err.message and err.param == "prompt"
+    assert "digits" in body_error(b'{"n": ' + b"9" * 5000 + b"}").message
+    assert "not valid JSON" in body_error(b'{"temperature": NaN}').message
+    assert "unknown encoding" in body_error(b"{}", "nope").message
+    assert body_error(b"{}", "base64").message  # a codec, but not a text encoding
+    assert body_error(b"{}", "utf\x00").message
+    assert body_error(b"\xff{}", "utf-8").message
+    err = body_error(b'{"prompt": ["w1", "\\ud800"]}')
+    assert err.param == "prompt" and "surrogate" in err.message
+    err = body_error(b'{"messages": [{"role": "user", "content": "\\udfff"}]}')
+    assert err.param == "messages"
+    assert body_error(b'{"\\ud800": 1}').param is None
+
+
+def test_body_gate_passes_good_bodies_through() -> None:
+    assert decode_json_body(b'{"prompt": "caf\xc3\xa9 \\ud83d\\ude00"}', None) == {
+        "prompt": "caf\u00e9 \U0001f600"  # a surrogate *pair* is one valid character
+    }
+    assert decode_json_body('{"prompt": "é"}'.encode("latin-1"), "ISO-8859-1") == {"prompt": "é"}
+    nested = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert decode_json_body(nested, "utf-8")["a"]

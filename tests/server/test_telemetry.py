@@ -33,7 +33,7 @@ def _jaeger(receiver: OTLPReceiver, service: str) -> list[dict[str, Any]]:
 def _lifecycle(tel: Telemetry, headers: dict[str, str]) -> None:
     """A request's life as the server sees it: arrival, a refusal, an offload, phases, end."""
     t0 = time.monotonic()
-    span = tel.start_request(
+    request = tel.start_request(
         headers,
         {
             "gen_ai.request.id": "cmpl-1",
@@ -45,7 +45,7 @@ def _lifecycle(tel: Telemetry, headers: dict[str, str]) -> None:
         start=t0,
     )
     tel.add_events(
-        span,
+        request,
         [
             EngineEvent(
                 "admit_refused",
@@ -58,7 +58,7 @@ def _lifecycle(tel: Telemetry, headers: dict[str, str]) -> None:
         extra={"mstar.choice": 0},
     )
     tel.add_phases(
-        span,
+        request,
         arrival=t0,
         first_scheduled=t0 + 0.04,
         first_token=t0 + 0.05,
@@ -66,7 +66,7 @@ def _lifecycle(tel: Telemetry, headers: dict[str, str]) -> None:
         attributes={"mstar.choice": 0},
     )
     tel.end_request(
-        span,
+        request,
         {
             "gen_ai.usage.prompt_tokens": 5,
             "gen_ai.usage.completion_tokens": 8,
@@ -110,6 +110,8 @@ def test_spans_events_and_attributes_reach_the_receiver(receiver: OTLPReceiver) 
     assert refusal["pages_short"] == 3
     assert refusal["label"] == "k"
     assert refusal["mstar.choice"] == 0
+    assert [e["mstar.count"] for e in events] == [1, 1, 1]
+    assert tag(root, "mstar.events.total") == 3 and tag(root, "mstar.events.capped") is False
     assert root["logs"][0]["timestamp"] - root["startTime"] == pytest.approx(10_000, abs=2)
 
     for name, start_us, dur_us in (("queue", 0, 40_000), ("prefill", 40_000, 10_000)):
@@ -148,8 +150,8 @@ def test_env_configuration() -> None:
     assert traces_endpoint(env) == "http://t:9/x"
     off = Telemetry.from_env({})
     assert not off.enabled
-    span = off.start_request({}, {"gen_ai.request.id": "x"}, start=time.monotonic())
-    assert isinstance(span, NonRecordingSpan)
+    request = off.start_request({}, {"gen_ai.request.id": "x"}, start=time.monotonic())
+    assert isinstance(request.span, NonRecordingSpan)
     assert not Telemetry.from_env(
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:1", "OTEL_SDK_DISABLED": "true"}
     ).enabled
@@ -167,3 +169,32 @@ def test_service_name_from_env(receiver: OTLPReceiver, monkeypatch: pytest.Monke
     _lifecycle(default, {})
     default.shutdown()
     assert len(_jaeger(receiver, "mstar-engine")) == 1
+
+
+def test_more_kinds_than_the_limit_merge_across_choices(receiver: OTLPReceiver) -> None:
+    """n=200 choices, each refused and evicted: per choice that is 400 kinds, over the limit."""
+    tel = Telemetry(service_name="svc-cap", endpoint=receiver.base_url + "/v1/traces")
+    t0 = time.monotonic()
+    request = tel.start_request({}, {"gen_ai.request.id": "cmpl-n"}, start=t0)
+    for choice in range(200):
+        refusal = {"reason": "AllocationFailed", "resource": "kv", "pages_short": choice}
+        events = [
+            EngineEvent("admit_refused", t0 + 0.001 * choice, refusal),
+            EngineEvent("admit_refused", t0 + 0.001 * choice, refusal),
+            EngineEvent("evicted", t0 + 0.001 * choice, {"resource": "kv", "mode": "offload"}),
+        ]
+        tel.add_events(request, events, extra={"mstar.choice": choice})
+    tel.end_request(request, {}, end=t0 + 1)
+    tel.shutdown()
+
+    (trace,) = _jaeger(receiver, "svc-cap")
+    (root,) = trace["spans"]
+    events = [log_fields(log) for log in root["logs"]]
+    assert [(e["event"], e["mstar.count"], e["mstar.choices"]) for e in events] == [
+        ("admit_refused", 400, 200),
+        ("evicted", 200, 200),
+    ]
+    assert "mstar.choice" not in events[0] and events[0]["pages_short"] == 0  # the first's
+    assert tag(root, "mstar.events.capped") is True
+    assert tag(root, "mstar.events.total") == 600
+    assert tag(root, "otel.dropped_events_count") == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 import time
@@ -23,6 +22,8 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
 from mstar.engine.outputs import ErrorKind, RequestError, RequestOutput
@@ -31,10 +32,12 @@ from mstar.engine.server import sse
 from mstar.engine.server.async_engine import AsyncEngine, EngineDeadError, EngineLike, NewRequest
 from mstar.engine.server.generation import ChoiceState, Delta, chat_logprobs, completion_logprobs
 from mstar.engine.server.metrics import ServerMetrics
+from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import (
     APIError,
     GenerationRequest,
     bad_request,
+    decode_json_body,
     model_not_found,
     parse_chat_request,
     parse_completion_request,
@@ -99,7 +102,8 @@ async def error_middleware(
         if exc.status < 400:
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return _error_response(APIError(exc.status, exc.reason, type=kind))
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _error_response(APIError(exc.status, exc.reason, type=kind, headers=allow))
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client is gone; nobody to answer
     except Exception as exc:
@@ -117,7 +121,10 @@ async def auth_middleware(
     if key and request.path.startswith("/v1/"):
         given = request.headers.get("Authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes: compare the bytes
+        # the client sent, so a malformed header is just a wrong key (401).
+        sent = token.encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(sent, key.encode()):
             raise APIError(
                 401,
                 "Incorrect API key provided." if token else "Missing API key (Authorization).",
@@ -168,7 +175,32 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    doc = openapi_document(state.model_name, state.max_model_len, guarded=state.api_key is not None)
+    return web.json_response(doc)
+
+
 # -- generation ----------------------------------------------------------------------------------
+
+
+async def read_json_body(request: web.Request) -> Any:
+    """The request's JSON body; a body that cannot be read, decompressed or decoded is a 400.
+
+    Reading can fail in aiohttp (a `Content-Encoding` the bytes do not match, a malformed
+    chunked body); everything after the bytes is `decode_json_body`'s. Too large a body stays
+    aiohttp's 413.
+    """
+    try:
+        raw = await request.read()
+    except (HttpProcessingError, RequestPayloadError) as exc:
+        reason = " ".join(str(exc.__cause__ or exc).split())
+        raise bad_request(f"Cannot read the request body: {reason}") from exc
+    try:
+        charset = request.charset
+    except ValueError as exc:  # a Content-Type header aiohttp cannot parse
+        raise bad_request(f"Invalid Content-Type header: {exc}") from exc
+    return decode_json_body(raw, charset)
 
 
 @dataclass
@@ -203,7 +235,7 @@ class Generation:
         self.prompt_texts: list[str] = []
         self.status = 200
         self.error: str | None = None
-        self.span = self.state.telemetry.start_request(
+        self.trace = self.state.telemetry.start_request(
             request.headers,
             {
                 "gen_ai.request.id": self.id,
@@ -218,16 +250,13 @@ class Generation:
     # -- setup ---------------------------------------------------------------------------------
 
     async def parse(self) -> GenerationRequest:
-        try:
-            body = await self.request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"Invalid JSON body: {exc}") from exc
+        body = await read_json_body(self.request)
         req = parse_chat_request(body) if self.kind == "chat" else parse_completion_request(body)
         if req.model is not None and req.model != self.state.model_name:
             raise model_not_found(req.model)
         self.req = req
         p = req.params
-        self.span.set_attributes(
+        self.trace.span.set_attributes(
             {
                 "gen_ai.request.model": req.model or self.state.model_name,
                 "gen_ai.response.model": self.state.model_name,
@@ -239,9 +268,9 @@ class Generation:
             }
         )
         if p.seed is not None:
-            self.span.set_attribute("gen_ai.request.seed", p.seed)
+            self.trace.span.set_attribute("gen_ai.request.seed", p.seed)
         if req.max_tokens is not None:
-            self.span.set_attribute("gen_ai.request.max_tokens", req.max_tokens)
+            self.trace.span.set_attribute("gen_ai.request.max_tokens", req.max_tokens)
         return req
 
     def tokenize(self, req: GenerationRequest) -> list[list[int]]:
@@ -252,12 +281,12 @@ class Generation:
             except Exception as exc:  # template errors are the conversation's fault
                 raise bad_request(f"Cannot apply the chat template: {exc}", "messages") from exc
             self.prompt_texts = [text]
-            return [tok.encode(text, add_special_tokens=False)]
+            return [_encode(tok, text, "messages")]
         ids: list[list[int]] = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
                 self.prompt_texts.append(prompt)
-                ids.append(tok.encode(prompt, add_special_tokens=False))
+                ids.append(_encode(tok, prompt, "prompt"))
             else:
                 self.prompt_texts.append("")
                 ids.append(list(prompt))
@@ -284,7 +313,7 @@ class Generation:
                 new.append(
                     NewRequest(rid, ids, params, self._sink(len(self.subs) - 1), self.arrival)
                 )
-        self.span.set_attribute("gen_ai.request.max_tokens", new[0].params.max_tokens)
+        self.trace.span.set_attribute("gen_ai.request.max_tokens", new[0].params.max_tokens)
         return new
 
     def _sink(self, position: int) -> Callable[[RequestOutput], None]:
@@ -345,14 +374,16 @@ class Generation:
 
     def _absorb(self, position: int, out: RequestOutput) -> tuple[SubRequest, Delta | None]:
         sub = self.subs[position]
-        if sub.done:
-            return sub, None
-        sub.last = out
+        # Events first: /metrics counted them, so the span shows them even after a stop string
+        # ended the choice while the engine was still stepping it.
         self.state.telemetry.add_events(
-            self.span,
+            self.trace,
             out.events,
             {"mstar.choice": sub.index, "mstar.engine_request_id": sub.request_id},
         )
+        if sub.done:
+            return sub, None
+        sub.last = out
         choice = sub.choice
         if choice.add(out.new_token_ids, out.new_logprobs):
             self.state.async_engine.abort_request(sub.request_id)
@@ -382,7 +413,7 @@ class Generation:
             first_token=first_token,
         )
         self.state.telemetry.add_phases(
-            self.span,
+            self.trace,
             arrival=self.arrival,
             first_scheduled=scheduled,
             first_token=first_token,
@@ -445,7 +476,7 @@ class Generation:
             attrs["gen_ai.usage.cached_tokens"] = first.num_cached_tokens
         end = time.monotonic()
         attrs["gen_ai.latency.e2e"] = end - self.arrival
-        self.state.telemetry.end_request(self.span, attrs, end, error=self.error)
+        self.state.telemetry.end_request(self.trace, attrs, end, error=self.error)
 
     def prompt_tokens(self) -> int:
         seen: dict[int, int] = {}
@@ -503,6 +534,14 @@ class Generation:
             "logprobs": lp,
             "finish_reason": delta.finish_reason,
         }
+
+
+def _encode(tok: Any, text: str, param: str) -> list[int]:
+    """Tokenize prompt text; text the tokenizer cannot take is the request's fault (400)."""
+    try:
+        return list(tok.encode(text, add_special_tokens=False))
+    except Exception as exc:
+        raise bad_request(f"Cannot tokenize the {param}: {exc}", param) from exc
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
@@ -678,6 +717,7 @@ def build_app(
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
 

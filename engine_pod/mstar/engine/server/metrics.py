@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Text format 0.0.4: what every Prometheus 2.x parses (1.0.0 needs a newer scraper).
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from mstar.engine.outputs import RequestOutput
+from mstar.engine.outputs import FinishReason, RequestOutput
 
 # vLLM's buckets, so histograms from both engines compare bucket for bucket.
 TTFT_BUCKETS = (
@@ -135,6 +135,8 @@ class ServerMetrics:
             c.labels(model_name)
         for c in self.event_counters.values():
             c.labels(model_name)
+        for reason in FinishReason:
+            self.request_success.labels(model_name, reason.value)
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             h.labels(model_name)
         # Engine-thread state: cumulative prefix counts already exported, per-request token times.

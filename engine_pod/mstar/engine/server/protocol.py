@@ -8,7 +8,9 @@ shape) next to the engine's `SamplingParams`.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,7 +22,10 @@ MAX_N = 128
 #: Most top alternatives per token (OpenAI: 20 for chat; vLLM's default max_logprobs).
 MAX_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_INT64 = 2**63
+INT64 = 2**63
+#: Deepest JSON nesting a body may have. OpenAI bodies are a few levels deep; the bound makes a
+#: hostile body fail the same way whatever the interpreter's recursion limit is.
+MAX_JSON_DEPTH = 64
 
 
 class APIError(Exception):
@@ -63,6 +68,77 @@ def model_not_found(model: str) -> APIError:
     return APIError(
         404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
     )
+
+
+# -- the body -----------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_json_body(raw: bytes, charset: str | None) -> Any:
+    """Bytes of a request body -> JSON value; every way it can be malformed is a 400.
+
+    The one gate for bodies: an unknown or non-text charset, bytes that are not in it, JSON
+    that does not parse (NaN, integers past Python's digit limit, nesting past
+    `MAX_JSON_DEPTH` or the recursion limit) and strings that are not valid Unicode (lone
+    UTF-16 surrogates such as a "\\ud800" escape, which no tokenizer can take) all end here.
+    """
+    encoding = charset or "utf-8"
+    try:
+        text = raw.decode(codecs.lookup(encoding).name)
+    except (LookupError, ValueError) as exc:  # unknown, not a text codec, or undecodable bytes
+        raise bad_request(f"Cannot decode the body as {encoding!r}: {exc}") from exc
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError as exc:
+        raise bad_request(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from exc
+    except ValueError as exc:  # JSONDecodeError, too many digits, NaN / Infinity
+        raise bad_request(f"Invalid JSON body: {exc}") from exc
+    _check_values(body)
+    return body
+
+
+def _valid_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_values(body: Any) -> None:
+    """Walk the parsed body (iteratively) for nesting depth and invalid strings.
+
+    A failure names the top-level field it sits under, which is the request parameter.
+    """
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while stack:
+        value, depth, param = stack.pop()
+        if isinstance(value, str):
+            if not _valid_unicode(value):
+                where = f"'{param}'" if param else "The body"
+                raise bad_request(
+                    f"{where} contains a lone UTF-16 surrogate, which is not valid Unicode.",
+                    param,
+                )
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(
+                f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels", param
+            )
+        if isinstance(value, list):
+            stack.extend((item, depth + 1, param) for item in value)
+            continue
+        for key, item in value.items():
+            if not _valid_unicode(key):
+                raise bad_request("A key of the body is not valid Unicode (lone surrogate).", param)
+            stack.append((item, depth + 1, key if depth == 1 else param))
 
 
 # -- typed getters -------------------------------------------------------------------------------
@@ -109,9 +185,13 @@ def _get_float(body: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _type_error(name, "a number", value)
-    if not math.isfinite(value):
+    try:
+        number = float(value)  # an integer past the float range overflows
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
         raise bad_request(f"'{name}' must be a finite number", name)
-    return float(value)
+    return number
 
 
 def _get_str(body: dict[str, Any], name: str) -> str | None:
@@ -177,7 +257,7 @@ class GenerationRequest:
         max_tokens = resolve_max_tokens(self, prompt_len, max_model_len)
         seed = self.params.seed
         if seed is not None and choice:
-            seed = (seed + choice + _INT64) % (2 * _INT64) - _INT64
+            seed = (seed + choice + INT64) % (2 * INT64) - INT64
         return dataclasses.replace(self.params, max_tokens=max_tokens, seed=seed)
 
 
@@ -246,19 +326,20 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
             raise _type_error("stream_options", "an object", stream_options)
         include_usage = _get_bool(stream_options, "include_usage", False)
     if kind == "chat":
+        # `max_tokens` is the deprecated spelling: checked too, used only when alone.
+        legacy = _get_int(body, "max_tokens", None, 1)
         max_tokens = _get_int(body, "max_completion_tokens", None, 1)
         if max_tokens is None:
-            max_tokens = _get_int(body, "max_tokens", None, 1)
+            max_tokens = legacy
     else:
         max_tokens = _get_int(body, "max_tokens", 16, 1)
     best_of = _get_int(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' other than 'n' is not supported", "best_of")
-    logit_bias = body.get("logit_bias")
-    if logit_bias:
+    if body.get("logit_bias") not in (None, {}):
         raise bad_request("'logit_bias' is not supported", "logit_bias")
 
-    seed = _get_int(body, "seed", None, -_INT64, _INT64 - 1)
+    seed = _get_int(body, "seed", None, -INT64, INT64 - 1)
     top_k = _get_int(body, "top_k", 0, -1)
     assert top_k is not None
     try:
@@ -347,7 +428,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     top = _get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-    if body.get("tools"):
+    if body.get("tools") not in (None, []):
         raise bad_request("'tools' are not supported", "tools")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
@@ -366,7 +447,7 @@ def _parse_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise bad_request(f"'{where}' must be an object", "messages")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(
                 f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}", "messages"
             )
@@ -387,7 +468,10 @@ def _parse_messages(messages: Any) -> list[dict[str, Any]]:
         else:
             raise bad_request(f"'{where}.content' must be a string or a list", "messages")
         entry: dict[str, Any] = {"role": role, "content": text}
-        if isinstance(message.get("name"), str):
-            entry["name"] = message["name"]
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad_request(f"'{where}.name' must be a string", "messages")
+            entry["name"] = name
         out.append(entry)
     return out
