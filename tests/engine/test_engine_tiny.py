@@ -218,3 +218,27 @@ def test_request_offloading_parks_without_evicting_then_finishes_exactly(
     assert engine.counters.reloads == 1
     assert [tokens["a"], tokens["b"]] == expected
     _assert_no_pages_held(engine)
+
+
+def test_a_burst_on_a_tiny_pool_finishes_exactly_without_an_eviction_storm(
+    tiny_llama_dir: Path,
+) -> None:
+    # 32 requests submitted at once on a pool holding about a quarter of their peak demand.
+    rng = random.Random(11)
+    prompts = [
+        [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(10, 40))] for _ in range(32)
+    ]
+    params = [
+        SamplingParams(max_tokens=rng.randint(8, 24), temperature=0.0, ignore_eos=True)
+        for _ in prompts
+    ]
+    peak = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True))
+    roomy = _engine(tiny_llama_dir, num_pages=512).generate(prompts, params)
+    for host_gb in (0.0, 64 * 2048 / 2**30):
+        engine = _engine(tiny_llama_dir, num_pages=peak // 4 // 4 + 1, host_offload_gb=host_gb)
+        assert engine.generate(prompts, params) == roomy
+        c = engine.counters
+        assert c.evictions > 0  # the pool really was too small
+        assert c.evictions / len(prompts) <= 1.5
+        assert (c.offloads > 0) == (host_gb > 0) and (c.recomputations > 0) == (host_gb == 0)
+        _assert_no_pages_held(engine)

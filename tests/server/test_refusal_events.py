@@ -2,12 +2,14 @@
 
 The SDK keeps at most 128 events per span and drops the rest without a word; the server folds
 repeated engine events into counted ones instead, so the span's counts equal what `/metrics`
-counted. The refusals come from a test resource that answers `RequestOffloading` (park the
-request, retry next step, evict nothing), so no eviction internals are involved.
+counted. The refusals come from a test resource that answers, alternately, `RequestOffloading`
+and a reason of its own (both: park the request, retry next step, evict nothing), so no
+eviction internals are involved.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,13 @@ from .test_openai_e2e import raw
 
 REFUSALS = 250
 GATED = "rope"
+
+
+@dataclass
+class SlotPoolExhausted:
+    """A refusal reason that is neither allocation nor offloading: the scheduler pushes back."""
+
+    message: str
 
 
 class RefuseFirstAdmits(Resource):
@@ -45,7 +54,11 @@ class RefuseFirstAdmits(Resource):
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
         if self.left > 0 and self.target in ctx.request_ids:
             self.left -= 1
-            reason = RequestOffloading("held by the test", label="test", request_id=self.target)
+            reason: Any = (
+                RequestOffloading("held by the test", label="test", request_id=self.target)
+                if self.left % 2
+                else SlotPoolExhausted("no slot for the test")
+            )
             return AdmitOutcome(False, False, reason)
         return self.inner.admit(step, ctx)
 
@@ -68,7 +81,8 @@ def install_refusals(engine: Any, times: int) -> RefuseFirstAdmits:
     from mstar.engine.resources.runner import StepRunner
 
     gate = RefuseFirstAdmits(engine.runner.resources[GATED], times)
-    engine.runner = StepRunner({**engine.runner.resources, GATED: gate})
+    runner = StepRunner({**engine.runner.resources, GATED: gate})
+    engine.runner = engine.scheduler.runner = engine.model_runner.runner = runner
     return gate
 
 
@@ -87,11 +101,13 @@ def test_hundreds_of_refusals_all_reach_the_span(
             assert status == 200 and body["usage"]["completion_tokens"] == 4
             assert gate.left == 0
             live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
-            refused = live.metric(
-                "mstar:admit_failures_total", reason="RequestOffloading", resource=GATED
-            )
-            reloads = live.metric("mstar:reloads_total")
-            assert refused == REFUSALS and reloads == REFUSALS  # each refusal parks, then retries
+            refused = {
+                reason: live.metric("mstar:admit_failures_total", reason=reason, resource=GATED)
+                for reason in ("RequestOffloading", "SlotPoolExhausted")
+            }
+            # Each refusal parks the request for one step (nothing is evicted or reloaded).
+            assert refused == {"RequestOffloading": REFUSALS / 2, "SlotPoolExhausted": REFUSALS / 2}
+            assert live.metric("mstar:reloads_total") == live.metric("mstar:evictions_total") == 0
             assert live.app[STATE].telemetry.force_flush()
             (trace,) = receiver.wait_for("refused", lambda t: len(t) == 1)
 
@@ -99,13 +115,12 @@ def test_hundreds_of_refusals_all_reach_the_span(
     events = [{**log_fields(log), "at_us": log["timestamp"]} for log in root["logs"]]
     counts: dict[str, int] = {}
     for e in events:
-        counts[e["event"]] = counts.get(e["event"], 0) + e["mstar.count"]
-    assert counts == {"admit_refused": refused, "reloaded": reloads}
+        assert e["event"] == "admit_refused" and e["resource"] == GATED
+        assert e["mstar.choice"] == 0
+        assert e["mstar.last_time_unix_nano"] > e["at_us"] * 1000  # first .. last
+        counts[e["reason"]] = counts.get(e["reason"], 0) + e["mstar.count"]
+    assert counts == refused
     assert tag(root, "otel.dropped_events_count") == 0
-    assert tag(root, "mstar.events.total") == refused + reloads
+    assert tag(root, "mstar.events.total") == REFUSALS
     assert tag(root, "mstar.events.capped") is False
     assert len(events) == 2 <= MAX_SPAN_EVENTS
-    (refusal,) = [e for e in events if e["event"] == "admit_refused"]
-    assert (refusal["reason"], refusal["resource"]) == ("RequestOffloading", GATED)
-    assert refusal["mstar.choice"] == 0
-    assert refusal["mstar.last_time_unix_nano"] > refusal["at_us"] * 1000  # first .. last

@@ -16,7 +16,8 @@ Each step (`schedule`):
      inside its protection window (just admitted or reloaded) nor evicted too often already.
      The victim goes to host memory, or, when the host pool cannot take it, is reset in every
      resource and prefilled again later (its tokens and sampler state stay).
-   - `RequestOffloading`: its KV is on the move; park it this step, evict nothing.
+   - `RequestOffloading`: its KV is on the move; park it this step, evict nothing. Any other
+     refusal (a resource out of some slot) is answered the same way.
    - `AdmitRuntimeError`: the request can never be served as asked; fail it (typed error).
 
 `update` commits the executed step, appends sampled tokens, applies stop rules and returns the
@@ -254,6 +255,8 @@ class Scheduler:
             self._finish(culprit, FinishReason.ERROR, RequestError(ErrorKind.REJECTED, message))
             return [r for r in rows if r.request is not culprit]
         self._event(blamed, "admit_refused", now, attrs)
+        if not isinstance(reason, AllocationFailed | RequestOffloading):
+            return rows[:index] + rows[index + 1 :]  # any other refusal: push back, retry
         if isinstance(reason, RequestOffloading):
             if (
                 blamed.status is RequestStatus.RUNNING
@@ -267,9 +270,7 @@ class Scheduler:
             for r in rows[index:]:
                 self._unmatch(r.request)
             return rows[:index]
-        if isinstance(reason, AllocationFailed) and (
-            self.kv.num_pages_in_transit >= reason.pages_short
-        ):
+        if self.kv.num_pages_in_transit >= reason.pages_short:
             return rows[:index] + rows[index + 1 :]  # pages are on their way: wait for them
         victim = self._choose_victim(resource, blamed, now)
         if victim is None:
