@@ -30,7 +30,8 @@ def check_pages_conserved(
     """Raise AssertionError unless every device and host page is accounted for exactly.
 
     Device: each page's owner count equals its references (streams + index + sink); no page is
-    both free and owned; free + owned == total. Host: every host page is either free or held by
+    both free and owned; free + owned == total; the prefix index's incremental idle count and
+    leaf heap agree with a recount. Host: every host page is either free or held by
     exactly one offloaded stream.
     """
     refs: Counter[int] = Counter()
@@ -43,6 +44,7 @@ def check_pages_conserved(
                 raise AssertionError(f"offloaded stream {rid}/{label} still holds device pages")
     if index is not None:
         refs.update(index.pages())
+        index.check_consistent()
     if arena.sink_page is not None:
         refs[arena.sink_page] += 1
     owners = arena.owners
