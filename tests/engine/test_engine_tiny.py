@@ -46,6 +46,7 @@ def reference(tiny_llama_dir: Path) -> list[list[int]]:
 
 def _assert_no_pages_held(engine: LLMEngine) -> None:
     kv = engine.kv
+    kv.wait_copies()  # pages a copy still moves are released when it lands
     kv.assert_pages_conserved()
     assert kv.num_host_pages_used == 0
     assert not engine.has_unfinished_requests()
@@ -128,7 +129,7 @@ def test_context_length_checked_at_arrival(tiny_llama_dir: Path) -> None:
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("state", ["waiting", "running", "offloaded"])
+@pytest.mark.parametrize("state", ["waiting", "running", "copying", "offloaded"])
 def test_abort_in_every_state_frees_everything(tiny_llama_dir: Path, state: str) -> None:
     engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -138,12 +139,19 @@ def test_abort_in_every_state_frees_everything(tiny_llama_dir: Path, state: str)
         engine.step()
         engine.step()
     req = engine.scheduler.requests["a"]
-    if state == "offloaded":
+    kv = engine.kv
+    if state in ("copying", "offloaded"):
+        if state == "copying":
+            kv.copier.pause()  # claimed, the copy to the host still queued
         assert engine.runner.offload("a") > 0
-        engine.step()  # admit meets the offloaded stream: the scheduler parks "a" as offloaded
-        assert engine.kv.num_host_pages_used > 0
-    assert req.status is RequestStatus(state)
+        kv.wait_copies() if state == "offloaded" else None
+        engine.step()  # admit meets the offloaded stream: the scheduler parks "a"
+        assert kv.num_host_pages_used > 0
+    expected = RequestStatus.RUNNING if state == "copying" else RequestStatus(state)
+    assert req.status is expected
+    assert kv.copy_in_flight("a") is (state == "copying")
     engine.abort_request("a")
+    kv.copier.resume()
     outs = _drain(engine)
     assert outs["a"][-1].finish_reason == "abort"
     assert outs["b"][-1].finish_reason == "length"
@@ -202,17 +210,27 @@ def test_request_offloading_parks_without_evicting_then_finishes_exactly(
         return outs
 
     collect(engine.step())
-    # Offload "a" behind the scheduler's back: its next admit meets an offloaded stream.
-    assert engine.kv.offload("a") > 0
+    # Offload "a" behind the scheduler's back, and hold the copy in flight.
+    kv = engine.kv
+    kv.copier.pause()
+    assert kv.offload("a") > 0 and kv.copy_in_flight("a")
     offloads = engine.counters.offloads
-    outs = collect(engine.step())
-    events = [
-        (e.name, e.attributes["reason"]) for o in outs if o.request_id == "a" for e in o.events
-    ]
-    assert events == [("admit_refused", "RequestOffloading")]
-    assert engine.scheduler.requests["a"].status is RequestStatus.OFFLOADED
-    assert engine.counters.offloads == offloads  # parked, nothing evicted for it
+    a = engine.scheduler.requests["a"]
+
+    def refusals(outs: list) -> list:
+        return [
+            (e.name, e.attributes["reason"]) for o in outs if o.request_id == "a" for e in o.events
+        ]
+
+    assert refusals(collect(engine.step())) == [("admit_refused", "RequestOffloading")]
+    assert a.status is RequestStatus.RUNNING  # parked for the step: its KV is on the move
+    assert engine.counters.offloads == offloads  # nothing evicted for it
     assert len(tokens["b"]) == 2  # the rest of the batch went on in the same step
+    kv.copier.resume()
+    kv.wait_copies()
+    # The copy landed: the next admit finds it on the host and the scheduler reloads it.
+    assert refusals(collect(engine.step())) == [("admit_refused", "RequestOffloading")]
+    assert a.status is RequestStatus.OFFLOADED
     while engine.has_unfinished_requests():
         collect(engine.step())
     assert engine.counters.reloads == 1

@@ -34,6 +34,7 @@ def make(
         page_size=page_size,
         max_seq_len=max_seq_len,
         host_offload_pages=host_offload_pages,
+        async_copy=False,
     )
     return KVCacheResource(cfg)
 

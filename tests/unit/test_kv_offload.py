@@ -27,6 +27,7 @@ def make(num_pages: int = 9, host: int = 8, prefix: bool = False) -> KVCacheReso
             page_size=PS,
             host_offload_pages=host,
             enable_prefix_cache=prefix,
+            async_copy=False,
         )
     )
 
@@ -86,7 +87,8 @@ def test_reload_refuses_when_short_and_moves_nothing() -> None:
     assert not kv.reload("a")
     assert kv.is_offloaded("a") and kv.num_free_pages == 1 and kv.num_host_pages_used == 2
     assert kv.host is not None and host_before is not None
-    assert torch.equal(kv.host.tensor, host_before)
+    # Bitwise: the pool is allocated uninitialised, so unused pages may hold NaN patterns.
+    assert torch.equal(kv.host.tensor.view(torch.int32), host_before.view(torch.int32))
     kv.remove_request("b")
     assert kv.reload("a") and kv.pages_held_by("a") == 2
 

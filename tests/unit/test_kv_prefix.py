@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -239,3 +242,99 @@ def test_usage_counts_idle_cached_pages_as_free() -> None:
     kv.remove_request("b")
     assert kv.num_prefix_pages == 3 and kv.num_cached_pages == 3
     assert kv.num_free_pages == 5 and kv.usage == 0.0
+
+
+class _CountingDict(dict[Any, Any]):
+    """A dict that counts walks (iteration) and single-key touches."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.walks = 0
+        self.touches = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.walks += 1
+        return super().__iter__()
+
+    def items(self) -> Any:
+        self.walks += 1
+        return super().items()
+
+    def keys(self) -> Any:
+        self.walks += 1
+        return super().keys()
+
+    def values(self) -> Any:
+        self.walks += 1
+        return super().values()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.touches += 1
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.touches += 1
+        return super().__getitem__(key)
+
+    def __delitem__(self, key: Any) -> None:
+        self.touches += 1
+        super().__delitem__(key)
+
+
+def test_large_index_stats_and_eviction_do_not_walk_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "0")  # the debug check walks everything
+    n = 50_001
+    kv = KVCacheResource(
+        KVConfig(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            num_pages=n + 1,
+            page_size=1,
+            max_seq_len=n,
+            enable_prefix_cache=True,
+        )
+    )
+    tokens = list(range(n))
+    kv.ingest_request("a", KVRequestConfig(tokens))
+    run(kv, "a", n)
+    kv.remove_request("a")
+    kv.ingest_request("b")
+    assert kv.match_prefix("b", tokens[:10]) == 9  # 9 indexed pages busy again
+    prefix = kv.prefix
+    assert prefix is not None and len(prefix) == n
+    entries = prefix._entries = _CountingDict(prefix._entries)
+    page_keys = prefix._page_keys = _CountingDict(prefix._page_keys)
+
+    assert kv.num_cached_pages == n - 9
+    assert kv.usage == pytest.approx(9 / n)
+    assert kv.num_free_pages == 0
+    assert entries.walks == page_keys.walks == 0
+
+    heap = prefix._leaves
+    assert kv.evict_prefix_cache(1) == 1  # the chain's tail, the only idle leaf
+    assert kv.evict_prefix_cache(1) == 1  # its parent, exposed by the first eviction
+    assert entries.walks == page_keys.walks == 0
+    assert entries.touches <= 6 and prefix._leaves is heap  # popped, not rebuilt
+    assert kv.num_cached_pages == n - 11 and kv.num_free_pages == 2
+    assert entries.walks == 0
+
+
+def test_leaf_heap_stays_bounded_and_ordered_under_repeated_hits() -> None:
+    kv = make()
+    prefill(kv, "a", [1] * 5)  # leaf a0
+    prefill(kv, "b", [2] * 5)  # leaf b0
+    kv.remove_request("a")
+    kv.remove_request("b")
+    prefix = kv.prefix
+    assert prefix is not None
+    for i in range(300):  # each hit re-stamps b0, leaving a stale heap item behind
+        kv.ingest_request(f"p{i}")
+        assert kv.match_prefix(f"p{i}", [2] * 5) == 4
+        kv.remove_request(f"p{i}")
+        assert len(prefix._leaves) <= 2 * len(prefix) + 65
+    assert kv.evict_prefix_cache(1) == 1  # a0: never hit, the oldest
+    kv.ingest_request("q")
+    assert kv.match_prefix("q", [2] * 5) == 4  # b0, hit last, stays
+    kv.ingest_request("r")
+    assert kv.match_prefix("r", [1] * 5) == 0

@@ -4,15 +4,22 @@ The cache holds, for every token, K = its token id and V = its position. After e
 pages must be conserved, and every resident stream must read back exactly its own tokens: this
 catches a shared page being written, a reload putting bytes in the wrong place, or a prefix
 match serving another prompt.
+
+Copies run either inline (``async_copy=False``) or on the copy worker, which the machine keeps
+paused: an offload or reload is only claimed by its rule, and lands when a `copy_lands` rule
+lets the worker run one copy. In between, steps, removals (abort mid-copy), resets and
+further offloads/reloads interleave freely; an armed failure makes the next copy raise.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -22,7 +29,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
+from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVPlan, KVRequestConfig
 from mstar.engine.resources.step import (
     AdmitRuntimeError,
     AllocationFailed,
@@ -38,9 +45,37 @@ MAX_LEN = 14
 CTX = StepContext(request_ids=[], graph_walk="mixed", slot=0, capture=False)
 
 
+class InjectedCopyError(RuntimeError):
+    pass
+
+
 class KVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        self.tokens: dict[str, list[int]] = {}
+        self.dead: set[str] = set()  # refused terminally: only removal left
+        self.counter = 0
+        self.failures_armed = 0
+
+    def live(self) -> list[str]:
+        return sorted(r for r in self.tokens if r not in self.dead)
+
+    def pick(self, data: st.DataObject, prefer: Callable[[str], bool]) -> str:
+        """A request, drawn from those ``prefer`` picks out about half of the time."""
+        everyone = sorted(self.tokens)
+        preferred = [r for r in everyone if prefer(r)]
+        if preferred and data.draw(st.booleans(), label="preferred"):
+            return data.draw(st.sampled_from(preferred))
+        return data.draw(st.sampled_from(everyone))
+
+    @initialize(
+        prompts=st.lists(
+            st.lists(st.integers(0, 1), min_size=1, max_size=9), min_size=1, max_size=3
+        ),
+        async_copy=st.sampled_from([True, True, True, False]),
+    )
+    def start(self, prompts: list[list[int]], async_copy: bool) -> None:
+        self.async_copy = async_copy
         self.kv = KVCacheResource(
             KVConfig(
                 num_layers=1,
@@ -51,19 +86,31 @@ class KVMachine(RuleBasedStateMachine):
                 max_seq_len=MAX_LEN,
                 host_offload_pages=5,
                 enable_prefix_cache=True,
+                async_copy=async_copy,
             )
         )
-        self.tokens: dict[str, list[int]] = {}
-        self.dead: set[str] = set()  # refused terminally: only removal left
-        self.counter = 0
-
-    def live(self) -> list[str]:
-        return sorted(r for r in self.tokens if r not in self.dead)
-
-    @initialize(prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=9), max_size=3))
-    def start(self, prompts: list[list[int]]) -> None:
-        for prompt in prompts:
+        kv = self.kv
+        kv.copier.pause()
+        host = kv.host
+        assert host is not None
+        for name in ("copy_out", "copy_in"):
+            setattr(host, name, self._failing(getattr(host, name)))
+        for prompt in prompts:  # prefilled, so there is something to offload from the start
             self.new_request(prompt)
+            rid = f"r{self.counter - 1}"
+            step = ResourceStep(segments=(Segment(rid, "main", len(prompt) - kv.stored_len(rid)),))
+            if kv.admit(step, CTX).ok:
+                self._write(kv.plan(step, CTX), step.segments)
+                kv.commit(step, CTX)
+
+    def _failing(self, copy: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any) -> None:
+            if self.failures_armed:
+                self.failures_armed -= 1
+                raise InjectedCopyError("injected copy failure")
+            copy(*args)
+
+        return run
 
     @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=15))
     def new_request(self, prompt: list[int]) -> None:
@@ -110,6 +157,8 @@ class KVMachine(RuleBasedStateMachine):
                 assert reason.pages_short > 0 and reason.request_id in chosen
             elif isinstance(reason, RequestOffloading):
                 assert self.kv.is_offloaded(reason.request_id)
+                if self.kv.copy_in_flight(reason.request_id):
+                    event("admit answered RequestOffloading mid-copy")
             else:
                 too_long = [
                     s.request_id
@@ -119,6 +168,10 @@ class KVMachine(RuleBasedStateMachine):
                 assert too_long
                 self.dead.update(too_long)
             return
+        for rid in chosen:  # a step is in flight for each: offload must decline, moving nothing
+            transit = self.kv.num_pages_in_transit
+            assert self.kv.offload(rid) == 0 and not self.kv.is_offloaded(rid)
+            assert self.kv.num_pages_in_transit == transit
         plan = self.kv.plan(step, CTX)
         owners = self.kv.arena.owners
         for slot in plan.write_slots.tolist():
@@ -135,16 +188,20 @@ class KVMachine(RuleBasedStateMachine):
         assert plan.seq_lens.tolist() == [
             p + s.span for p, s in zip(plan.prefix_lens.tolist(), segs, strict=True)
         ]
-        k = torch.tensor(
-            [float(self.tokens[s.request_id][t]) for s in segs for t in self._span_positions(s)]
-        ).view(-1, 1, 1)
-        v = torch.tensor([float(t) for s in segs for t in self._span_positions(s)]).view(-1, 1, 1)
         if data.draw(st.booleans(), label="forward fails") and data.draw(st.booleans()):
             # The forward failed: nothing advances, the reserved pages stay as a high-water mark.
             self.kv.abort_step(step, CTX)
             return
-        self.kv.cache.write_tokens(0, k, v, plan.write_slots)
+        self._write(plan, segs)
         self.kv.commit(step, CTX)
+
+    def _write(self, plan: KVPlan, segs: Sequence[Segment]) -> None:
+        """The forward: K = token id, V = position for every token of the step."""
+        k = torch.tensor(
+            [float(self.tokens[s.request_id][t]) for s in segs for t in self._span_positions(s)]
+        ).view(-1, 1, 1)
+        v = torch.tensor([float(t) for s in segs for t in self._span_positions(s)]).view(-1, 1, 1)
+        self.kv.cache.write_tokens(0, k, v, plan.write_slots)
 
     def _span_positions(self, seg: Segment) -> range:
         stored = self.kv.stored_len(seg.request_id)
@@ -153,7 +210,9 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        rid = self.pick(data, self.kv.copy_in_flight)
+        if self.kv.copy_in_flight(rid):
+            event("removed mid-copy")
         self.kv.remove_request(rid)
         del self.tokens[rid]
         self.dead.discard(rid)
@@ -162,27 +221,94 @@ class KVMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())
     def offload(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.tokens)))
-        expected = self.kv.reclaimable(rid)
-        freed = self.kv.offload(rid)
+        rid = self.pick(data, lambda r: self.kv.reclaimable(r) > 0)
+        kv = self.kv
+        expected = kv.reclaimable(rid)
+        held = kv.pages_held_by(rid)
+        transit = kv.num_pages_in_transit
+        try:
+            freed = kv.offload(rid)
+        except InjectedCopyError:  # inline copy failed: the claim was undone
+            event("inline offload failed, undone")
+            assert not self.async_copy and expected > 0
+            assert not kv.is_offloaded(rid) and not kv.copy_in_flight(rid)
+            assert kv.pages_held_by(rid) == held and kv.num_pages_in_transit == transit
+            return
         assert freed in (0, expected)
-        if freed:
-            assert self.kv.is_offloaded(rid) and self.kv.pages_held_by(rid) == 0
+        if not freed:
+            assert kv.num_pages_in_transit == transit
+            return
+        assert kv.is_offloaded(rid) and kv.reclaimable(rid) == 0
+        if self.async_copy:  # claimed: pages still held until the copy lands
+            event("offload claimed")
+            assert kv.copy_in_flight(rid) and kv.pages_held_by(rid) == held
+            assert kv.num_pages_in_transit == transit + freed
+        else:
+            assert not kv.copy_in_flight(rid) and kv.pages_held_by(rid) == 0
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())
     def reload(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.tokens)))
-        free = self.kv.num_free_pages
-        host = self.kv.num_host_pages_used
-        was = self.kv.is_offloaded(rid)
-        ok = self.kv.reload(rid)
+        rid = self.pick(data, self.kv.is_offloaded)
+        kv = self.kv
+        free = kv.num_free_pages
+        host = kv.num_host_pages_used
+        was = kv.is_offloaded(rid)
+        moving = kv.copy_in_flight(rid)
+        try:
+            ok = kv.reload(rid)
+        except InjectedCopyError:  # inline copy failed: still offloaded, device pages back
+            event("inline reload failed, undone")
+            assert not self.async_copy and was
+            assert kv.is_offloaded(rid) and kv.num_host_pages_used == host
+            assert kv.pages_held_by(rid) == 0
+            return
         if not ok:
-            assert was and self.kv.is_offloaded(rid)
-            assert self.kv.num_host_pages_used == host
-            assert self.kv.num_free_pages >= free  # at most index leaves were evicted
+            assert was and kv.is_offloaded(rid)
+            assert kv.num_host_pages_used == host
+            assert kv.num_free_pages >= free  # at most index leaves were evicted
+        elif not was:
+            assert not kv.is_offloaded(rid) and not moving
+        elif self.async_copy:  # on its way: still offloaded until it lands
+            event("reload claimed" if not moving else "reload while a copy is in flight")
+            assert kv.is_offloaded(rid) and kv.copy_in_flight(rid)
         else:
-            assert not self.kv.is_offloaded(rid)
+            assert not kv.is_offloaded(rid) and kv.num_host_pages_used <= host
+
+    @precondition(lambda self: self.async_copy and self.kv.copier.num_pending > 0)
+    @rule(everything=st.booleans())
+    def copy_lands(self, everything: bool) -> None:
+        """Let the worker run the oldest claimed copy (or all of them), then pause it again."""
+        copier = self.kv.copier
+        pending = copier.num_pending
+        failures = self.kv.copy_failures
+        assert copier.step(pending if everything else 1) == (pending if everything else 1)
+        assert copier.num_pending == (0 if everything else pending - 1)
+        event("copy landed" if self.kv.copy_failures == failures else "copy failed, undone")
+
+    @precondition(lambda self: self.failures_armed == 0)
+    @rule()
+    def arm_copy_failure(self) -> None:
+        self.failures_armed = 1
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data(), free=st.booleans(), rematch=st.booleans())
+    def reset(self, data: st.DataObject, free: bool, rematch: bool) -> None:
+        """Recompute: the request keeps its tokens, its KV is gone (free) or rewound (not)."""
+        rid = self.pick(data, self.kv.copy_in_flight)
+        kv = self.kv
+        if kv.copy_in_flight(rid):
+            event("reset mid-copy")
+        kv.reset_request(rid, free=free)
+        assert kv.has_request(rid) and kv.stored_len(rid) == 0
+        assert not kv.is_offloaded(rid) and not kv.copy_in_flight(rid)
+        if free:
+            assert kv.pages_held_by(rid) == 0
+        if rematch:
+            tokens = self.tokens[rid]
+            matched = kv.match_prefix(rid, tokens)
+            assert matched % PS == 0 and matched <= len(tokens) - 1
+            assert kv.stored_len(rid) == matched
 
     @rule(n=st.integers(1, 3))
     def evict(self, n: int) -> None:
@@ -190,7 +316,12 @@ class KVMachine(RuleBasedStateMachine):
 
     @invariant()
     def conserved_and_readable(self) -> None:
-        self.kv.assert_pages_conserved()
+        kv = self.kv
+        kv.assert_pages_conserved()
+        assert kv.num_pages_in_transit >= 0
+        assert kv.num_free_pages + kv.num_cached_pages + kv.num_pages_in_transit <= kv.num_pages
+        for rid in self.tokens:
+            assert not kv.copy_in_flight(rid) or kv.is_offloaded(rid)
         for rid, tokens in self.tokens.items():
             if self.kv.is_offloaded(rid):
                 continue
@@ -205,7 +336,14 @@ class KVMachine(RuleBasedStateMachine):
             assert v.flatten().tolist() == [float(t) for t in range(stored)], rid
 
     def teardown(self) -> None:
-        kv = self.kv
+        kv = getattr(self, "kv", None)
+        if kv is None:
+            return
+        kv.copier.resume()
+        kv.wait_copies(timeout=30)
+        assert kv.num_pages_in_transit == 0
+        assert not any(kv.copy_in_flight(rid) for rid in self.tokens)
+        kv.assert_pages_conserved()
         for rid in list(self.tokens):
             kv.remove_request(rid)
         kv.assert_pages_conserved()
@@ -219,8 +357,8 @@ class KVMachine(RuleBasedStateMachine):
 
 
 KVMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=30,
+    max_examples=150,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -45,7 +45,11 @@ class Resource:
         return None
 
     def reset_request(self, request_id: str, free: bool = False) -> None:
-        """Return a padding row to rest; `free=True` also gives its storage back."""
+        """Return a padding row to rest; `free=True` also gives its storage back.
+
+        ``free=True`` is also recompute: the request stays ingested (its overrides kept) and can
+        run from its first token again, so every resource must accept a fresh prefill after it.
+        """
 
     # -- per step ------------------------------------------------------------------------------
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:

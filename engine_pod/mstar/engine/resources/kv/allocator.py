@@ -4,6 +4,10 @@ The allocator has its own lock so that the size check and the takes are one atom
 thread may allocate while the GPU thread frees). Owner counts live in the arena and are guarded
 by the manager's lock; a page goes back to the free list only when its last owner lets go, which
 is what makes read-only sharing (prefix index + streams) safe.
+
+The arena also tells a watcher (the prefix index) when an *indexed* page gains or loses its last
+owner besides the index, so the index keeps its idle count and eviction queue up to date instead
+of walking every page to find them.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable
+from typing import Protocol
 
-__all__ = ["SINK_PAGE", "PageAllocator", "PageArena", "PagesExhausted"]
+__all__ = ["SINK_PAGE", "OwnerWatcher", "PageAllocator", "PageArena", "PagesExhausted"]
 
 #: Page id reserved as the write target of padding rows (when the config reserves one).
 SINK_PAGE = 0
@@ -62,8 +67,21 @@ class PageAllocator:
             return list(self._free)
 
 
+class OwnerWatcher(Protocol):
+    """Told when an indexed page's owners other than the index drop to zero or rise from it."""
+
+    def page_idle(self, page: int) -> None: ...
+
+    def page_busy(self, page: int) -> None: ...
+
+
 class PageArena:
-    """An allocator plus per-page owner counts; callers hold the manager lock."""
+    """An allocator plus per-page owner counts; callers hold the manager lock.
+
+    ``indexed[p]`` is 1 while the watcher (the prefix index) holds one of page ``p``'s owner
+    references; for those pages a 2 -> 1 owner drop calls ``watcher.page_idle`` and a 1 -> 2
+    rise calls ``watcher.page_busy``.
+    """
 
     def __init__(self, num_pages: int, reserve_sink: bool) -> None:
         self.num_pages = num_pages
@@ -74,6 +92,8 @@ class PageArena:
         if self.sink_page is not None:
             self.owners[self.sink_page] = 1
         self.num_usable = num_pages - len(reserved)
+        self.indexed = bytearray(num_pages)
+        self.watcher: OwnerWatcher | None = None
 
     @property
     def num_free(self) -> int:
@@ -90,12 +110,18 @@ class PageArena:
 
     def retain(self, pages: Iterable[int]) -> None:
         owners = self.owners
+        indexed = self.indexed
+        watcher = self.watcher
         for p in pages:
-            owners[p] += 1
+            n = owners[p] = owners[p] + 1
+            if n == 2 and indexed[p] and watcher is not None:
+                watcher.page_busy(p)
 
     def release(self, pages: Iterable[int]) -> int:
         """Drop one owner of each page; returns how many pages went back to the free list."""
         owners = self.owners
+        indexed = self.indexed
+        watcher = self.watcher
         freed = []
         for p in pages:
             n = owners[p] - 1
@@ -104,6 +130,8 @@ class PageArena:
             owners[p] = n
             if n == 0:
                 freed.append(p)
+            elif n == 1 and indexed[p] and watcher is not None:
+                watcher.page_idle(p)
         if freed:
             self.allocator.free(freed)
         return len(freed)

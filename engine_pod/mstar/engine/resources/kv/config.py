@@ -19,6 +19,10 @@ class KVConfig:
     ``num_pages`` counts every page of the device tensor; with ``reserve_sink_page`` page 0 is
     taken out of circulation (a captured graph's padding rows write into it), so the usable pool
     is one page smaller.
+
+    ``async_copy`` runs offload/reload copies on a copy-worker thread (a dedicated CUDA stream
+    on GPU): the call claims the pages and returns, the copy lands later. False completes each
+    offload/reload inside the call (claim, copy, commit on the caller's thread).
     """
 
     num_layers: int
@@ -32,6 +36,7 @@ class KVConfig:
     host_offload_pages: int = 0
     enable_prefix_cache: bool = False
     reserve_sink_page: bool = True
+    async_copy: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "max_seq_len"):

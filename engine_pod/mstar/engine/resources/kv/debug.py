@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from mstar.engine.resources.kv.allocator import PageArena
 from mstar.engine.resources.kv.host import HostPagePool
@@ -26,23 +26,37 @@ def check_pages_conserved(
     streams: Mapping[str, Mapping[str, Stream]],
     index: PrefixIndex | None,
     host: HostPagePool | None,
+    moving: Collection[Stream] = (),
+    orphaned: Iterable[Stream] = (),
 ) -> None:
     """Raise AssertionError unless every device and host page is accounted for exactly.
 
-    Device: each page's owner count equals its references (streams + index + sink); no page is
-    both free and owned; free + owned == total. Host: every host page is either free or held by
-    exactly one offloaded stream.
+    Device: each page's owner count equals its references (streams + streams of copies whose
+    request is gone + index + sink); no page is both free and owned; free + owned == total; the
+    prefix index's incremental idle count and leaf heap agree with a recount. Host: every host
+    page is either free or held by exactly one stream. Tiers: a stream holds host pages only
+    while offloaded, and device pages while offloaded only while a copy (``moving``) moves it.
     """
     refs: Counter[int] = Counter()
     host_refs: Counter[int] = Counter()
+    moving_ids = {id(s) for s in moving}
     for rid, per in streams.items():
         for label, stream in per.items():
             refs.update(stream.pages)
             host_refs.update(stream.host_pages)
-            if stream.offloaded and stream.pages:
-                raise AssertionError(f"offloaded stream {rid}/{label} still holds device pages")
+            in_copy = id(stream) in moving_ids
+            if stream.offloaded and stream.pages and not in_copy:
+                raise AssertionError(
+                    f"offloaded stream {rid}/{label} holds device pages with no copy in flight"
+                )
+            if not stream.offloaded and (stream.host_pages or in_copy):
+                raise AssertionError(f"resident stream {rid}/{label} holds host pages or moves")
+    for stream in orphaned:
+        refs.update(stream.pages)
+        host_refs.update(stream.host_pages)
     if index is not None:
         refs.update(index.pages())
+        index.check_consistent()
     if arena.sink_page is not None:
         refs[arena.sink_page] += 1
     owners = arena.owners

@@ -9,13 +9,19 @@ Protocol per step (§3.3 of the resources reference):
 - ``commit`` is the only place lengths advance, then offers newly filled whole pages to the
   prefix index.
 
-One reentrant lock guards stream and arena state; the allocator has its own lock. Device<->host
-copies run under the lock too: simple and correct, at the cost of blocking a concurrent step
-while an offload copies (a claim/copy/commit split is the known way to lift that).
+One reentrant lock guards stream and arena state; the allocator has its own lock.
+
+Offload and reload are claim -> copy -> land (§3.7 of the reference). The claim (under the lock)
+marks the streams moving and reserves the destination pages; the copy runs outside the lock, on
+the copy worker's thread (`KVConfig.async_copy`, the default) or inline; the landing (under the
+lock) releases the source pages. From claim to landing `admit` answers `RequestOffloading` for
+the request. A copy that raises is undone; a request removed mid-copy gets every page back
+once the copy lets go of it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -24,11 +30,13 @@ from mstar.engine.resources.base import Resource
 from mstar.engine.resources.kv.allocator import PageArena
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.config import KVConfig, KVRequestConfig
+from mstar.engine.resources.kv.copier import CopyWorker
 from mstar.engine.resources.kv.debug import check_pages_conserved, debug_asserts_enabled
 from mstar.engine.resources.kv.host import HostPagePool
 from mstar.engine.resources.kv.plan import KVPlan, build_plan
 from mstar.engine.resources.kv.prefix import ROOT_KEY, PrefixIndex, chain_key
 from mstar.engine.resources.kv.stream import Stream
+from mstar.engine.resources.kv.transfer import Copy, CopyLedger, Move
 from mstar.engine.resources.step import (
     ADMIT_OK,
     AdmitOutcome,
@@ -43,6 +51,8 @@ __all__ = ["MAIN_LABEL", "KVCacheResource"]
 
 #: The only label our Llama models use; streams stay keyed by (request_id, label) regardless.
 MAIN_LABEL = "main"
+
+log = logging.getLogger(__name__)
 
 
 def _refuse(reason: Any) -> AdmitOutcome:
@@ -71,6 +81,12 @@ class KVCacheResource(Resource):
         self._tokens: dict[str, Sequence[int]] = {}
         self._lock = threading.RLock()
         self._debug = debug_asserts_enabled()
+        self._copies = CopyLedger()
+        self._async_copy = config.async_copy
+        #: Runs offload/reload copies when ``async_copy``; tests pause/step/resume it.
+        self.copier = CopyWorker()
+        #: Copies that raised (each was undone: the request stayed where it was).
+        self.copy_failures = 0
         #: Prompt tokens looked up / served from the prefix index (vLLM's hit-rate semantics).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -110,6 +126,24 @@ class KVCacheResource(Resource):
         return self.host.num_used / self.host.num_pages
 
     @property
+    def num_pages_in_transit(self) -> int:
+        """Device pages in-flight copies give back when they land (counted at claim).
+
+        An offload's `reclaimable` pages; for a request removed mid-reload, the pages the
+        reload took. Free pages + cached pages + this is what the pool will have.
+        """
+        return self._copies.num_pages_in_transit
+
+    def copy_in_flight(self, request_id: str) -> bool:
+        """An offload or reload of the request has been claimed and has not landed yet."""
+        with self._lock:
+            return request_id in self._copies
+
+    def wait_copies(self, timeout: float | None = None) -> None:
+        """Block until every copy has landed (shutdown, tests). Never call it under the lock."""
+        self.copier.wait_idle(timeout)
+
+    @property
     def num_prefix_pages(self) -> int:
         return 0 if self.prefix is None else len(self.prefix)
 
@@ -141,36 +175,53 @@ class KVCacheResource(Resource):
                 self._tokens[request_id] = overrides.token_ids
 
     def remove_request(self, request_id: str) -> None:
-        """Free the request's device and host pages at once."""
+        """Free the request's device and host pages (those a copy is moving: once it lands)."""
         with self._lock:
             per = self._streams.pop(request_id, None)
             self._tokens.pop(request_id, None)
             if per is not None:
-                for stream in per.values():
-                    self._drop_stream_storage(stream)
+                self._drop_streams(request_id, per)
             self._check()
 
     def reset_request(self, request_id: str, free: bool = False) -> None:
-        """Drop the request's KV (device and host) but keep it ingested: it prefills again."""
+        """Forget the request's cached KV but keep it ingested, token list included.
+
+        ``free=True`` (recompute) gives back every device and host page and leaves one empty
+        main stream, so the request can be matched and prefilled again; mid-copy it behaves like
+        remove + re-ingest. ``free=False`` (a padding row) keeps private pages as a high-water
+        mark and zeroes the lengths, unless a page is shared, on the host or moving, in which
+        case it frees like ``free=True``. A step in flight for a reset stream drops its span.
+        """
         with self._lock:
             per = self._streams.get(request_id)
             if per is None:
                 return
-            for stream in per.values():
-                self._drop_stream_storage(stream)
-            self._streams[request_id] = {MAIN_LABEL: Stream()}
+            owners = self.arena.owners
+            keep = (
+                not free
+                and request_id not in self._copies
+                and not any(s.offloaded for s in per.values())
+                and all(owners[p] == 1 for s in per.values() for p in s.pages)
+            )
+            if keep:
+                for stream in per.values():
+                    stream.stored_len = 0
+                    stream.keys = []
+                    stream.matched = None
+                    stream.step_in_flight = False
+                    stream.generation += 1
+            else:
+                self._drop_streams(request_id, per)
+                self._streams[request_id] = {MAIN_LABEL: Stream()}
             self._check()
 
-    @property
-    def num_pages_in_transit(self) -> int:
-        """Device pages claimed by offloads whose copy has not landed (synchronous: none)."""
-        return 0
-
-    def copy_in_flight(self, request_id: str) -> bool:
-        return False
-
-    def wait_copies(self, timeout: float | None = None) -> None:
-        """Block until no copy is in flight (copies are synchronous here)."""
+    def _drop_streams(self, request_id: str, per: dict[str, Stream]) -> None:
+        """Release the streams' pages; a copy moving some of them releases those on landing."""
+        copy = self._copies.detach(request_id)
+        moving = () if copy is None else [m.stream for m in copy.moves]
+        for stream in per.values():
+            if not any(stream is m for m in moving):
+                self._drop_stream_storage(stream)
 
     def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Reuse indexed pages for the request's prompt; returns the number of tokens reused.
@@ -198,6 +249,7 @@ class KVCacheResource(Resource):
             stream.keys = keys
             stream.stored_len = matched = len(pages) * ps
             stream.matched = matched
+            stream.generation += 1
             self.prefix_hits += matched
             self._check()
             return matched
@@ -323,6 +375,7 @@ class KVCacheResource(Resource):
         start = 0
         for stream, n, _, _ in grow:
             stream.pages.extend(pages[start : start + n])
+            stream.generation += 1
             start += n
         return None
 
@@ -344,12 +397,13 @@ class KVCacheResource(Resource):
             for rid, label, span in segments:
                 per = streams.get(rid)
                 stream = None if per is None else per.get(label)
-                if stream is None:
-                    continue  # removed mid-step, or a zero-span read of nothing
+                if stream is None or not stream.step_in_flight:
+                    continue  # removed or reset mid-step, or a zero-span read of nothing
                 stream.step_in_flight = False
                 if not advance or span <= 0:
                     continue
                 stored = stream.stored_len = stream.stored_len + span
+                stream.generation += 1
                 if index and label == MAIN_LABEL and stored // ps > len(stream.keys):
                     self._index_pages(rid, stream)
             if self._debug:
@@ -433,11 +487,15 @@ class KVCacheResource(Resource):
         return float(self.reclaimable(request_id))
 
     def offload(self, request_id: str) -> int:
-        """Move every stream of the request to host memory; returns `reclaimable` pages.
+        """Claim the request's streams for a move to host memory; returns `reclaimable` pages.
 
         Declines (0) with no host tier, while a step is in flight, when the request holds no
-        page it alone keeps, or when the host pool is short. Only the pages covering each
-        stream's stored length are copied; high-water pages beyond it are simply released.
+        page it alone keeps, when it is already offloaded or moving, or when the host pool is
+        short. Otherwise the host pages are reserved, the streams are marked offloaded (admit
+        answers `RequestOffloading` from now on) and the copy is started; the device pages are
+        released when it lands (`num_pages_in_transit` until then; inside this call when
+        ``async_copy`` is off). Only the pages covering each stream's stored length are copied;
+        high-water pages beyond it are simply released.
         """
         host = self.host
         if host is None:
@@ -445,36 +503,47 @@ class KVCacheResource(Resource):
         ps = self.page_size
         with self._lock:
             per = self._streams.get(request_id)
-            if per is None:
+            if per is None or request_id in self._copies:
                 return 0
             freed = self._reclaimable_locked(per)
             if freed == 0:
                 return 0
             live = [s for s in per.values() if s.pages]
             needed = [s.pages[: (s.stored_len + ps - 1) // ps] for s in live]
-            host_pages = host.store([p for pages in needed for p in pages])
+            host_pages = host.reserve(sum(len(pages) for pages in needed))
             if host_pages is None:
                 return 0
+            moves = []
             start = 0
             for stream, pages in zip(live, needed, strict=True):
                 stream.host_pages = host_pages[start : start + len(pages)]
                 start += len(pages)
-                self.arena.release(stream.pages)
-                stream.pages = []
                 stream.offloaded = True
+                moves.append(Move(stream, pages, stream.host_pages))
+            copy = Copy(request_id, True, moves, freed, host.mark_ready())
+            self._copies.add(copy)
             self._check()
-            return freed
+        self._launch(copy)
+        return freed
 
     def reload(self, request_id: str) -> bool:
-        """Bring an offloaded request back, all or nothing; False when device pages are short.
+        """Start bringing an offloaded request back, all or nothing.
 
-        Restored pages are private copies (no longer shared with the index); the stream's
-        prefix keys are kept so its next filled page still chains onto the indexed prefix.
+        False (moving nothing) when the device is short even after evicting idle index
+        leaves, or while the request's offload copy has not landed yet. True otherwise: the
+        device pages are taken now and the copy started; `is_offloaded` stays True (and admit
+        answers `RequestOffloading`) until it lands. True for a resident request or one whose
+        reload is already on its way. Restored pages are private copies (no longer shared with
+        the index); the stream's prefix keys are kept so its next filled page still chains onto
+        the indexed prefix.
         """
         with self._lock:
             per = self._streams.get(request_id)
             if per is None:
                 return True
+            moving = self._copies.get(request_id)
+            if moving is not None:
+                return not moving.offload
             back = [s for s in per.values() if s.offloaded]
             if not back:
                 return True
@@ -486,20 +555,88 @@ class KVCacheResource(Resource):
             if pages is None:
                 return False
             assert self.host is not None
-            self.host.load([p for s in back for p in s.host_pages], pages)
+            moves = []
             start = 0
             for stream in back:
                 n = len(stream.host_pages)
                 stream.pages = pages[start : start + n]
                 start += n
-                self.host.free(stream.host_pages)
-                stream.host_pages = []
-                stream.offloaded = False
+                moves.append(Move(stream, stream.pages, stream.host_pages))
+            copy = Copy(request_id, False, moves, 0, self.host.mark_ready())
+            self._copies.add(copy)
             self._check()
-            return True
+        self._launch(copy)
+        return True
+
+    def _launch(self, copy: Copy) -> None:
+        if self._async_copy:
+            self.copier.submit(lambda: self._run_copy(copy))
+        else:
+            self._run_copy(copy)
+
+    def _run_copy(self, copy: Copy) -> None:
+        """Copy outside the lock, then land under it; a copy that raised is undone."""
+        ok = False
+        try:
+            if not copy.detached:  # removed before it started: nothing worth copying
+                host = self.host
+                assert host is not None
+                if copy.offload:
+                    host.copy_out(copy.device_pages(), copy.host_pages(), copy.ready)
+                else:
+                    host.copy_in(copy.host_pages(), copy.device_pages(), copy.ready)
+            ok = True
+        except Exception:
+            if not self._async_copy:
+                raise
+            log.exception(
+                "KV %s of request %r failed; undone",
+                "offload" if copy.offload else "reload",
+                copy.request_id,
+            )
+        finally:
+            with self._lock:
+                if not ok:
+                    self.copy_failures += 1
+                self._land(copy, ok)
+
+    def _land(self, copy: Copy, ok: bool) -> None:
+        """Finish a copy under the lock: commit it when it succeeded and is current, else undo."""
+        self._copies.finish(copy)
+        arena = self.arena
+        host = self.host
+        assert host is not None
+        if copy.detached:  # removed or reset mid-copy: the removal owes every page
+            for move in copy.moves:
+                self._drop_stream_storage(move.stream)
+        elif copy.offload:
+            current = all(m.stream.generation == m.generation for m in copy.moves)
+            for move in copy.moves:
+                stream = move.stream
+                if ok and current:
+                    arena.release(stream.pages)
+                    stream.pages = []
+                else:  # the copy failed or is stale: back on the device, as if never claimed
+                    host.free(stream.host_pages)
+                    stream.host_pages = []
+                    stream.offloaded = False
+        else:
+            for move in copy.moves:
+                stream = move.stream
+                if ok:
+                    host.free(stream.host_pages)
+                    stream.host_pages = []
+                    stream.offloaded = False
+                    stream.generation += 1
+                else:  # still on the host; a later reload may try again
+                    arena.release(stream.pages)
+                    stream.pages = []
+        self._check()
 
     # -- engine --------------------------------------------------------------------------------
     def cleanup(self) -> None:
+        self.copier.resume()
+        self.wait_copies()
         with self._lock:
             for rid in list(self._streams):
                 self.remove_request(rid)
@@ -510,7 +647,15 @@ class KVCacheResource(Resource):
     def assert_pages_conserved(self) -> None:
         """Raise AssertionError unless owner counts match references exactly (see debug.py)."""
         with self._lock:
-            check_pages_conserved(self.arena, self._streams, self.prefix, self.host)
+            self._copies.check_consistent()
+            check_pages_conserved(
+                self.arena,
+                self._streams,
+                self.prefix,
+                self.host,
+                moving=list(self._copies.moving_streams()),
+                orphaned=list(self._copies.orphaned_streams()),
+            )
 
     def _check(self) -> None:
         if self._debug:

@@ -13,9 +13,15 @@ class Stream:
     it to the logical length. ``keys`` are the prefix-chain keys of its first ``len(keys)``
     pages (those already offered to the prefix index). ``matched`` is the answer of the
     request's `match_prefix` call (None until then), so it is matched and counted once.
+
+    ``offloaded`` is True from the moment an offload claims the stream until a reload lands:
+    while a copy is in flight both ``pages`` (being read, or being written by a reload) and
+    ``host_pages`` are held. ``generation`` moves whenever the stream's pages or length change,
+    so an offload that lands can tell whether the bytes it copied are still the stream's.
     """
 
     __slots__ = (
+        "generation",
         "host_pages",
         "keys",
         "matched",
@@ -33,3 +39,4 @@ class Stream:
         self.host_pages: list[int] = []
         self.keys: list[bytes] = []
         self.matched: int | None = None
+        self.generation = 0
