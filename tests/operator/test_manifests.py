@@ -13,6 +13,7 @@ from op_harness import CRS, ROOT
 
 from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.operator import manifests
+from mstar.operator.children import build_children, child_of
 from mstar.operator.reconcile import compute_status
 from mstar.operator.spec import MStarSpec, engine_config, parse_spec
 
@@ -27,7 +28,9 @@ def load(path: Path) -> tuple[str, MStarSpec]:
 
 def deployment_for(path: Path) -> dict[str, Any]:
     name, spec = load(path)
-    return manifests.build_children(name, "ns", "uid-1", spec)["Deployment"]
+    deployment = child_of(build_children(name, "ns", "uid-1", spec), "Deployment", name)
+    assert deployment is not None
+    return deployment
 
 
 def container(dep: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +41,7 @@ def container(dep: dict[str, Any]) -> dict[str, Any]:
 def test_container_args_round_trip_through_the_engine_cli(path: Path) -> None:
     _, spec = load(path)
     args = container(deployment_for(path))["args"]
-    assert args == to_cli_args(engine_config(spec))
+    assert args == to_cli_args(engine_config(spec), explicit=True)
     assert parse_cli_args(args) == engine_config(spec)
 
 
@@ -63,6 +66,7 @@ def test_every_engine_knob_reaches_the_flags() -> None:
         dtype="bfloat16",
         max_waiting_requests=32,
         shutdown_grace_seconds=90.0,
+        seed=7,
     )
     assert got == want
     dep = deployment_for(CRS / "valid-image-path.yaml")
@@ -70,7 +74,19 @@ def test_every_engine_knob_reaches_the_flags() -> None:
     limits = container(dep)["resources"]["limits"]
     assert limits["nvidia.com/mig-3g.40gb"] == "2" and "nvidia.com/gpu" not in limits
     assert container(dep)["resources"]["requests"]["cpu"] == "1500m"
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 100
+    # The kubelet waits for the preStop hook (20 s at most), then the drain (90 s), then a margin.
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 20 + 90 + 10
+    hook = container(dep)["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == [
+        "mstar-engine",
+        "prestop",
+        "--port",
+        "8000",
+        "--quiet-seconds",
+        "2.0",
+        "--timeout-seconds",
+        "20.0",
+    ]
     assert "prometheus.io/scrape" not in dep["spec"]["template"]["metadata"]["annotations"]
 
 

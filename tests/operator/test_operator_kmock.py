@@ -20,6 +20,7 @@ CHILDREN = {
     "v1/services": NAME,
     "v1/configmaps": f"{NAME}-engine",
     "autoscaling/v2/horizontalpodautoscalers": NAME,
+    "policy/v1/poddisruptionbudgets": NAME,  # replicas: 2
 }
 
 
@@ -39,7 +40,7 @@ def children(cluster: EmulatedCluster) -> dict[str, dict[str, Any] | None]:
 
 
 def all_children(cluster: EmulatedCluster) -> dict[str, dict[str, Any]]:
-    return wait_for(lambda: (c := children(cluster)) and all(c.values()) and c, "all four children")
+    return wait_for(lambda: (c := children(cluster)) and all(c.values()) and c, "all children")
 
 
 def events(cluster: EmulatedCluster, uid: str, reason: str) -> list[dict[str, Any]]:
