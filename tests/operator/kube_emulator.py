@@ -4,9 +4,9 @@ KMock stores and streams objects; this subclass adds what a real control plane w
 operator relies on: uid / resourceVersion / generation / creationTimestamp, names from
 `generateName`, CRDs that register their resource (discovery, status and scale subresources),
 schema defaulting and validation of custom resources (422 on violation, as the API server does),
-status-subresource semantics, the scale subresource of custom resources (what `kubectl scale`
-and an HPA call), and owner-reference garbage collection (background cascading delete, as
-kube-controller-manager's garbage collector does).
+status-subresource semantics, 404 for resources nobody registered, the scale subresource of
+custom resources (what `kubectl scale` and an HPA call), and owner-reference garbage collection
+(background cascading delete, as kube-controller-manager's garbage collector does).
 
 `EmulatedCluster` runs it on a loopback port in a background thread and writes a kubeconfig, so
 `kubectl` and an operator subprocess talk to it like to any cluster.
@@ -188,6 +188,17 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is None:
             return await super()._handle(request)
+        registered = {(r.group, r.version, r.plural) for r in self.resources}
+        res = request.resource
+        if res.plural and (res.group, res.version, res.plural) not in registered:
+            return await self._render_error(  # KMock would store anything: the API server
+                # serves only the resources that are registered (built in or by a CRD)
+                kmock.KubernetesError(
+                    status=404,
+                    reason="NotFound",
+                    message="the server could not find the requested resource",
+                )
+            )
         if request.subresource == "scale" and request.resource in self._scale_paths:
             return await self._serve_scale(request)
         try:

@@ -27,6 +27,12 @@ VARIANTS = {
         "operator.verbose=true",
     ),
     "no-dashboards-no-rbac": ("dashboards.enabled=false", "rbac.create=false"),
+    "autoscaling-and-router": (
+        "serviceMonitor.enabled=true",
+        "router.enabled=true",
+        "operator.watchNamespaces={models}",
+    ),
+    "no-router": ("router.enabled=false",),
 }
 
 
@@ -138,3 +144,20 @@ def test_dashboards_are_sidecar_configmaps() -> None:
         for text in config_map["data"].values():
             dashboard: dict[str, Any] = json.loads(text)
             assert dashboard["panels"]
+
+
+def test_prometheus_adapter_values_hand_over_as_documented(tmp_path: Path) -> None:
+    """The values.yaml command yields prometheus-adapter values carrying mstar's rule."""
+    proc = subprocess.run(
+        ["helm", "show", "values", str(CHART), "--jsonpath", "{.prometheusAdapter}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    handed = json.loads(proc.stdout)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert handed == values["prometheusAdapter"]
+    assert handed["rules"]["default"] is False  # only mstar's metric, not the adapter's defaults
+    (rule,) = handed["rules"]["custom"]
+    assert rule["name"]["as"] == "mstar_num_requests_waiting"
