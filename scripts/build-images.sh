@@ -30,8 +30,9 @@ MIRROR="${MSTAR_DEBIAN_MIRROR:-http://deb.debian.org}"
 # The base's packages, pinned (bookworm with its updates and security suites).
 BASE_PACKAGES="python3.11=3.11.2-6+deb12u9,python3-venv=3.11.2-1+b1,ca-certificates=20250419~deb12u2,passwd"
 # PyTorch's CUDA 13.0 build is on PyPI; FlashInfer's precompiled kernels (flashinfer-jit-cache)
-# come from FlashInfer's own index for that CUDA version.
-CUDA_PIP_ARGS="--extra-index-url https://flashinfer.ai/whl/cu130"
+# come from FlashInfer's own index for that CUDA version. --isolated ignores local pip config:
+# a local CPU wheel torch-2.13.0+cpu would otherwise satisfy torch==2.13.0.
+CUDA_PIP_ARGS="--isolated --extra-index-url https://flashinfer.ai/whl/cu130"
 mkdir -p "$WHEELS" "$WORK"
 
 log() { printf 'build-images: %s\n' "$*" >&2; }
