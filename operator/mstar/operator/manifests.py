@@ -164,9 +164,7 @@ def build_deployment(
     """Engine pods: GPU limits, flags from EngineConfig, probes, scrape annotations, OTEL env."""
     res = spec["resources"]
     gpus = int(res["gpus"])
-    cpu = str(res["cpu"])
-    cpu = cpu if cpu.endswith("m") else quantity(float(cpu))  # as the API server normalizes it
-    requests: dict[str, Any] = {"cpu": cpu, "memory": str(res["memory"])}
+    requests: dict[str, Any] = {"cpu": cpu_quantity(res["cpu"]), "memory": str(res["memory"])}
     limits: dict[str, Any] = {"memory": str(res["memory"])}
     if gpus > 0:
         requests[res["gpuResourceName"]] = str(gpus)
@@ -369,6 +367,12 @@ def build_service(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[
             ],
         },
     }
+
+
+def cpu_quantity(text: Any) -> str:
+    """A CPU quantity as the API server stores it ("1.5" -> "1500m"), so it is no drift."""
+    cpu = str(text)
+    return cpu if cpu.endswith("m") else quantity(float(cpu))
 
 
 def quantity(value: float) -> str:

@@ -23,6 +23,7 @@ from .manifests import (
     child_metadata,
     config_hash,
     container_security,
+    cpu_quantity,
     owner_reference,
     selector_labels,
 )
@@ -212,7 +213,7 @@ def _epp_deployment(
         "livenessProbe": {**health, "initialDelaySeconds": 5, "periodSeconds": 10},
         "readinessProbe": {**health, "periodSeconds": 2},
         "resources": {
-            "requests": {"cpu": str(picker["cpu"]), "memory": memory},
+            "requests": {"cpu": cpu_quantity(picker["cpu"]), "memory": memory},
             "limits": {"memory": memory},
         },
         "securityContext": container_security(),
@@ -282,12 +283,12 @@ def build_router(
             "type": "ClusterIP",
             "selector": {"app.kubernetes.io/name": "mstar-epp", INSTANCE_LABEL: name},
             "ports": [
-                {
-                    "name": "grpc",
+                {  # ext-proc is gRPC: HTTP/2 without TLS inside the cluster
+                    "name": "grpc-ext-proc",
                     "port": EPP_GRPC_PORT,
                     "targetPort": "grpc",
                     "protocol": "TCP",
-                    "appProtocol": "http2",
+                    "appProtocol": "kubernetes.io/h2c",
                 },
                 {
                     "name": "metrics",
