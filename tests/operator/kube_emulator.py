@@ -4,8 +4,9 @@ KMock stores and streams objects; this subclass adds what a real control plane w
 operator relies on: uid / resourceVersion / generation / creationTimestamp, names from
 `generateName`, CRDs that register their resource (discovery, status and scale subresources),
 schema defaulting and validation of custom resources (422 on violation, as the API server does),
-status-subresource semantics, and owner-reference garbage collection (background cascading delete,
-as kube-controller-manager's garbage collector does).
+status-subresource semantics, 404 for resources nobody registered, the scale subresource of
+custom resources (what `kubectl scale` and an HPA call), and owner-reference garbage collection
+(background cascading delete, as kube-controller-manager's garbage collector does).
 
 `EmulatedCluster` runs it on a loopback port in a background thread and writes a kubeconfig, so
 `kubectl` and an operator subprocess talk to it like to any cluster.
@@ -25,6 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp.web
 import attrs
 import kmock
 import yaml
@@ -41,6 +43,15 @@ BUILTINS: dict[str, kmock.ResourceInfo] = {
     ),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, shortnames={"ev"}),
     "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
+    "v1/serviceaccounts": kmock.ResourceInfo(
+        kind="ServiceAccount", namespaced=True, shortnames={"sa"}
+    ),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(
+        kind="PodDisruptionBudget", namespaced=True, shortnames={"pdb"}, subresources={"status"}
+    ),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(
+        kind="RoleBinding", namespaced=True
+    ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, shortnames={"ns"}),
     "apps/v1/deployments": kmock.ResourceInfo(
         kind="Deployment",
@@ -85,6 +96,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _schemas: dict[kmock.resource, dict[str, Any]] = attrs.field(factory=dict, init=False)
     _status_subresource: set[kmock.resource] = attrs.field(factory=set, init=False)
+    _scale_paths: dict[kmock.resource, dict[str, str]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -176,6 +188,19 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> Any:
         if request.resource is None:
             return await super()._handle(request)
+        registered = {(r.group, r.version, r.plural) for r in self.resources}
+        res = request.resource
+        if res.plural and (res.group, res.version, res.plural) not in registered:
+            return await self._render_error(  # KMock would store anything: the API server
+                # serves only the resources that are registered (built in or by a CRD)
+                kmock.KubernetesError(
+                    status=404,
+                    reason="NotFound",
+                    message="the server could not find the requested resource",
+                )
+            )
+        if request.subresource == "scale" and request.resource in self._scale_paths:
+            return await self._serve_scale(request)
         try:
             prepared = self._prepare(request)
         except kmock.KubernetesError as exc:
@@ -221,6 +246,68 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             }
         return payload
 
+    # -- the scale subresource of custom resources --------------------------------------------
+
+    def _scale(self, obj: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
+        """The autoscaling/v1 Scale the API server derives from the CRD's scale paths."""
+
+        def at(path: str) -> Any:
+            node: Any = obj
+            for part in path.lstrip(".").split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            return node
+
+        meta = obj["metadata"]
+        status: dict[str, Any] = {"replicas": int(at(paths["statusReplicasPath"]) or 0)}
+        if paths.get("labelSelectorPath") and at(paths["labelSelectorPath"]):
+            status["selector"] = at(paths["labelSelectorPath"])
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {
+                key: meta[key]
+                for key in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                if key in meta
+            },
+            "spec": {"replicas": int(at(paths["specReplicasPath"]) or 0)},
+            "status": status,
+        }
+
+    async def _serve_scale(self, request: kmock.Request) -> Any:
+        """GET reads the Scale; PATCH/PUT of it writes spec.replicas of the object itself."""
+        assert request.resource is not None
+        paths = self._scale_paths[request.resource]
+        stored = self._stored(request, request.name)
+        if stored is None:
+            return await self._render_error(
+                kmock.KubernetesError(status=404, reason="NotFound", message="not found")
+            )
+        if request.action == enums.action.UPDATE:
+            scale = self._scale(stored, paths)
+            change = request.data
+            if isinstance(change, list):  # a JSON patch of the Scale
+                change = patch_dict(scale, change)
+            replicas = (dict(change or {}).get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int) or replicas < 0:
+                return await self._render_error(
+                    kmock.KubernetesError(
+                        status=422, reason="Invalid", message=f"spec.replicas: {replicas!r}"
+                    )
+                )
+            field = paths["specReplicasPath"].lstrip(".").split(".")
+            update: dict[str, Any] = {field[-1]: replicas}
+            for part in reversed(field[:-1]):
+                update = {part: update}
+            # Replay it as a merge patch of the object (what the API server stores).
+            as_patch = attrs.evolve(request, subresource=None, data=update)
+            requests = self._requests
+            requests[next(i for i, r in enumerate(requests) if r is request)] = as_patch
+            response = await self._handle(as_patch)
+            if response.status >= 400:
+                return response
+            stored = self._stored(request, request.name) or stored
+        return aiohttp.web.json_response(self._scale(stored, paths))
+
     # -- control-plane behaviours -------------------------------------------------------------
 
     def _register_crd(self, crd: dict[str, Any]) -> None:
@@ -241,6 +328,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             self._schemas[resource] = version["schema"]["openAPIV3Schema"]
             if "status" in subresources:
                 self._status_subresource.add(resource)
+            if "scale" in subresources:
+                self._scale_paths[resource] = dict(version["subresources"]["scale"])
 
     async def _collect_orphan(self, obj: dict[str, Any]) -> None:
         """A new object whose owners are all gone is garbage at once (the GC's dangling check)."""

@@ -29,6 +29,12 @@ VARIANTS = {
         "operator.verbose=true",
     ),
     "no-dashboards-no-rbac": ("dashboards.enabled=false", "rbac.create=false"),
+    "autoscaling-and-router": (
+        "serviceMonitor.enabled=true",
+        "router.enabled=true",
+        "operator.watchNamespaces={models}",
+    ),
+    "no-router": ("router.enabled=false",),
 }
 
 
@@ -72,6 +78,9 @@ def test_operator_deployment() -> None:
     assert not [d for d in docs if d["kind"] == "ClusterRoleBinding"]
 
 
+MANAGED = ("get", "list", "watch", "create", "patch", "delete")
+
+
 def test_rbac_is_least_privilege() -> None:
     """Exactly the calls the operator makes (the KMock tests check every call is covered)."""
     assert granted_rules() == {
@@ -82,15 +91,38 @@ def test_rbac_is_least_privilege() -> None:
         ("mstar.dev", "mstardeployments/status", "patch"),
         *(
             (group, resource, verb)
-            for group, resource in (("apps", "deployments"), ("", "services"), ("", "configmaps"))
-            for verb in ("get", "list", "watch", "create", "patch")
+            for group, resource in (
+                ("apps", "deployments"),
+                ("", "services"),
+                ("", "configmaps"),
+                ("", "serviceaccounts"),
+                ("autoscaling", "horizontalpodautoscalers"),
+                ("policy", "poddisruptionbudgets"),
+                ("rbac.authorization.k8s.io", "rolebindings"),
+                ("inference.networking.k8s.io", "inferencepools"),
+                ("gateway.networking.k8s.io", "httproutes"),
+                ("keda.sh", "scaledobjects"),
+            )
+            for verb in MANAGED
         ),
-        *(
-            ("autoscaling", "horizontalpodautoscalers", verb)
-            for verb in ("get", "list", "watch", "create", "patch", "delete")
-        ),
+        ("rbac.authorization.k8s.io", "clusterroles", "bind"),
         ("", "events", "create"),
     }
+
+
+def test_endpoint_picker_role_is_read_only_and_bindable_by_name() -> None:
+    docs = render(include_crds=False)
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+    epp = roles["mstar-epp"]
+    assert {verb for rule in epp["rules"] for verb in rule["verbs"]} == {"get", "list", "watch"}
+    assert {r for rule in epp["rules"] for r in rule["resources"]} >= {"pods", "inferencepools"}
+    (bind,) = [r for r in roles["mstar-operator"]["rules"] if r["verbs"] == ["bind"]]
+    assert bind["resourceNames"] == ["mstar-epp"]  # that one role, nothing else
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (operator,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--epp-cluster-role=mstar-epp" in operator["args"]
+    off = render("router.enabled=false", include_crds=False)
+    assert [d["metadata"]["name"] for d in off if d["kind"] == "ClusterRole"] == ["mstar-operator"]
 
 
 def test_service_monitor_selects_engine_services() -> None:
@@ -113,3 +145,20 @@ def test_dashboards_are_sidecar_configmaps() -> None:
         for text in config_map["data"].values():
             dashboard: dict[str, Any] = json.loads(text)
             assert dashboard["panels"]
+
+
+def test_prometheus_adapter_values_hand_over_as_documented(tmp_path: Path) -> None:
+    """The values.yaml command yields prometheus-adapter values carrying mstar's rule."""
+    proc = subprocess.run(
+        ["helm", "show", "values", str(CHART), "--jsonpath", "{.prometheusAdapter}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    handed = json.loads(proc.stdout)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert handed == values["prometheusAdapter"]
+    assert handed["rules"]["default"] is False  # only mstar's metric, not the adapter's defaults
+    (rule,) = handed["rules"]["custom"]
+    assert rule["name"]["as"] == "mstar_num_requests_waiting"

@@ -14,6 +14,7 @@ from mstar.operator.spec import (
     AUTOSCALING_DEFAULTS,
     DEFAULTS,
     ENGINE_FIELDS,
+    ROUTER_DEFAULTS,
     SOURCE_DEFAULTS,
     TOKEN_SECRET_DEFAULTS,
     InvalidSpec,
@@ -118,6 +119,7 @@ def test_operator_defaults_match_the_crd() -> None:
     crd = _defaults(spec)
     operator = dict(DEFAULTS)
     assert crd.pop("autoscaling") == AUTOSCALING_DEFAULTS
+    assert crd.pop("router") == ROUTER_DEFAULTS
     source = crd.pop("model")["source"]
     hf = source["huggingFace"]
     assert hf.pop("tokenSecret") == TOKEN_SECRET_DEFAULTS

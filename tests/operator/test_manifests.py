@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,9 @@ from op_harness import CRS, ROOT
 
 from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.operator import manifests
+from mstar.operator.children import build_children, child_of
 from mstar.operator.reconcile import compute_status
-from mstar.operator.spec import MStarSpec, engine_config, parse_spec
+from mstar.operator.spec import InvalidSpec, MStarSpec, engine_config, parse_spec
 
 CASES = sorted((ROOT / "examples").glob("*.yaml")) + sorted(CRS.glob("valid-*.yaml"))
 
@@ -27,7 +31,9 @@ def load(path: Path) -> tuple[str, MStarSpec]:
 
 def deployment_for(path: Path) -> dict[str, Any]:
     name, spec = load(path)
-    return manifests.build_children(name, "ns", "uid-1", spec)["Deployment"]
+    deployment = child_of(build_children(name, "ns", "uid-1", spec), "Deployment", name)
+    assert deployment is not None
+    return deployment
 
 
 def container(dep: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +44,7 @@ def container(dep: dict[str, Any]) -> dict[str, Any]:
 def test_container_args_round_trip_through_the_engine_cli(path: Path) -> None:
     _, spec = load(path)
     args = container(deployment_for(path))["args"]
-    assert args == to_cli_args(engine_config(spec))
+    assert args == to_cli_args(engine_config(spec), explicit=True)
     assert parse_cli_args(args) == engine_config(spec)
 
 
@@ -63,6 +69,7 @@ def test_every_engine_knob_reaches_the_flags() -> None:
         dtype="bfloat16",
         max_waiting_requests=32,
         shutdown_grace_seconds=90.0,
+        seed=7,
     )
     assert got == want
     dep = deployment_for(CRS / "valid-image-path.yaml")
@@ -70,7 +77,19 @@ def test_every_engine_knob_reaches_the_flags() -> None:
     limits = container(dep)["resources"]["limits"]
     assert limits["nvidia.com/mig-3g.40gb"] == "2" and "nvidia.com/gpu" not in limits
     assert container(dep)["resources"]["requests"]["cpu"] == "1500m"
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 100
+    # The kubelet waits for the preStop hook (20 s at most), then the drain (90 s), then a margin.
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 20 + 90 + 10
+    hook = container(dep)["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == [
+        "mstar-engine",
+        "prestop",
+        "--port",
+        "8000",
+        "--quiet-seconds",
+        "2.0",
+        "--timeout-seconds",
+        "20.0",
+    ]
     assert "prometheus.io/scrape" not in dep["spec"]["template"]["metadata"]["annotations"]
 
 
@@ -209,3 +228,130 @@ def test_json_patch_restores_exactly_and_converges() -> None:
     assert manifests.json_patch(cpu, sneaky) == [
         {"op": "remove", "path": "/spec/template/spec/nodeSelector"}
     ]
+
+
+def _children(path: Path) -> tuple[str, list[Any]]:
+    name, spec = load(path)
+    return name, build_children(name, "ns", "uid-1", spec)
+
+
+def test_every_engine_setting_is_rendered_explicitly() -> None:
+    """Defaults too: an engine image whose built-in defaults differ cannot change a deployment."""
+    path = ROOT / "examples" / "mstardeployment-cpu.yaml"  # sets only numPages, hostOffloadGiB
+    _, spec = load(path)
+    args = container(deployment_for(path))["args"]
+    flags = {a.removeprefix("--").removeprefix("no-") for a in args if a.startswith("--")}
+    config = engine_config(spec)
+    expected = {
+        f.name.replace("_", "-")
+        for f in dataclasses.fields(EngineConfig)
+        if getattr(config, f.name) is not None
+    }
+    assert flags == expected
+    assert {"max-num-seqs", "page-size", "cuda-graph-batch-sizes", "seed"} <= flags
+    assert "max-model-len" not in flags  # unset means "the model's own": nothing to render
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert "--enable-prefix-caching" in args
+    # Rendered against other defaults, the flags still mean exactly this spec.
+    assert parse_cli_args(args) == config
+
+
+def test_rollout_safety_in_the_pod_spec() -> None:
+    dep = deployment_for(ROOT / "examples" / "mstardeployment.yaml")
+    assert dep["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    pod = dep["spec"]["template"]["spec"]
+    hook = container(dep)["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == ["mstar-engine", "prestop"]
+    assert hook[hook.index("--quiet-seconds") + 1] == "5.0"  # the CRD's defaults
+    assert hook[hook.index("--timeout-seconds") + 1] == "30.0"
+    assert pod["terminationGracePeriodSeconds"] == 30 + 30 + 10
+    assert container(dep)["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+@pytest.mark.parametrize(("replicas", "pdb"), [(0, False), (1, False), (2, True), (5, True)])
+def test_pdb_only_with_several_replicas(replicas: int, pdb: bool) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "mstardeployment-cpu.yaml").read_text())
+    doc["spec"]["replicas"] = replicas
+    defaulted, errors = admit(doc)
+    assert errors == []
+    spec = parse_spec(defaulted["spec"])
+    budget = child_of(build_children("m", "ns", "u", spec), "PodDisruptionBudget", "m")
+    assert (budget is not None) == pdb
+    if budget is not None:
+        assert budget["spec"]["maxUnavailable"] == 1
+        assert budget["spec"]["selector"]["matchLabels"] == manifests.selector_labels("m")
+
+
+def test_keda_mode_replaces_the_hpa_with_a_scaled_object() -> None:
+    name, children = _children(CRS / "valid-keda.yaml")
+    assert child_of(children, "HorizontalPodAutoscaler", name) is None
+    scaled = child_of(children, "ScaledObject", name)
+    assert scaled is not None
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "mstar.dev/v1alpha1",
+        "kind": "MStarDeployment",
+        "name": name,
+    }
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["cooldownPeriod"]) == (0, 4, 600)
+    waiting, busy, wake = spec["triggers"]
+    assert waiting["metadata"]["threshold"] == "2"
+    assert busy["metadata"]["threshold"] == "32"  # a replica is full at maxNumSeqs running
+    sel = f'namespace="ns",mstar_deployment="{name}"'
+    assert waiting["metadata"]["query"] == f"sum(mstar:num_requests_waiting{{{sel}}})"
+    assert "mstar:num_requests_running" in busy["metadata"]["query"]
+    assert wake["name"] == "wake"  # extraTriggers pass through unchanged
+    hpa_name, hpa_children = _children(ROOT / "examples" / "mstardeployment.yaml")
+    assert child_of(hpa_children, "ScaledObject", hpa_name) is None
+    assert child_of(hpa_children, "HorizontalPodAutoscaler", hpa_name) is not None
+
+
+@pytest.mark.parametrize(
+    ("patch", "problem"),
+    [
+        ({"autoscaling": {"minReplicas": 0, "maxReplicas": 3}}, "needs mode: keda"),
+        ({"autoscaling": {"mode": "keda", "maxReplicas": 3}}, "keda.prometheusAddress: required"),
+        ({"drain": {"quietSeconds": 40, "preStopTimeoutSeconds": 30}}, "could never see the pod"),
+    ],
+)
+def test_unservable_scaling_and_drain_specs_are_named(patch: dict[str, Any], problem: str) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "mstardeployment-cpu.yaml").read_text())
+    doc["spec"].update(patch)
+    defaulted, errors = admit(doc)
+    assert errors == []
+    with pytest.raises(InvalidSpec, match=problem):
+        parse_spec(defaulted["spec"])
+
+
+BUILT_IN = {
+    "ConfigMap",
+    "Service",
+    "Deployment",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+    "ServiceAccount",
+    "RoleBinding",
+}
+
+
+def test_rendered_built_in_children_validate_strictly(tmp_path: Path) -> None:
+    """What the operator creates for every example and test CR passes kubernetes-validate."""
+    if shutil.which("kubernetes-validate") is None:
+        pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
+    docs = []
+    for path in CASES:
+        _, children = _children(path)
+        docs += [
+            manifests.strip_none(c.desired) for c in children if c.desired and c.kind in BUILT_IN
+        ]
+    assert {d["kind"] for d in docs} == BUILT_IN
+    out = tmp_path / "children.yaml"
+    out.write_text(yaml.safe_dump_all(docs))
+    proc = subprocess.run(
+        ["kubernetes-validate", "--strict", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ERROR" not in proc.stdout + proc.stderr

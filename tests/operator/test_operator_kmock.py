@@ -20,6 +20,7 @@ CHILDREN = {
     "v1/services": NAME,
     "v1/configmaps": f"{NAME}-engine",
     "autoscaling/v2/horizontalpodautoscalers": NAME,
+    "policy/v1/poddisruptionbudgets": NAME,  # replicas: 2
 }
 
 
@@ -39,7 +40,7 @@ def children(cluster: EmulatedCluster) -> dict[str, dict[str, Any] | None]:
 
 
 def all_children(cluster: EmulatedCluster) -> dict[str, dict[str, Any]]:
-    return wait_for(lambda: (c := children(cluster)) and all(c.values()) and c, "all four children")
+    return wait_for(lambda: (c := children(cluster)) and all(c.values()) and c, "all children")
 
 
 def events(cluster: EmulatedCluster, uid: str, reason: str) -> list[dict[str, Any]]:
@@ -122,6 +123,15 @@ def test_apply_creates_owned_children(
     assert pod["spec"]["priorityClassName"] == "inference"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    # Safe rollouts and scale-down: a new pod is Ready before an old one goes; a terminating pod
+    # first waits (preStop) until no request arrives, then drains within the grace period.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert engine["lifecycle"]["preStop"]["exec"]["command"][:2] == ["mstar-engine", "prestop"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 30 + 30 + 10  # preStop + drain + margin
+    budget = found["policy/v1/poddisruptionbudgets"]
+    assert budget is not None and budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+    assert "--max-num-seqs" in engine["args"]  # a default, rendered explicitly
 
     service = found["v1/services"]
     assert service is not None

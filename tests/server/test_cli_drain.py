@@ -190,3 +190,123 @@ def test_sigterm_cuts_off_after_the_grace_period(tiny_chat_dir: Path, proc_facto
     cut = json.loads(result["body"])
     assert cut["choices"][0]["finish_reason"] == "abort"
     assert 0 < cut["usage"]["completion_tokens"] < 500
+
+
+def _stream(p: Proc, body: dict[str, Any]) -> dict[str, Any]:
+    """One SSE completion read to its end: token count, finish reason, whether [DONE] came."""
+    req = urllib.request.Request(
+        p.url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    out: dict[str, Any] = {"chunks": 0, "finish_reason": None, "done": False}
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out["status"] = resp.status
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out["done"] = True
+                break
+            choice = json.loads(line[6:])["choices"][0]
+            out["chunks"] += 1
+            out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+    return out
+
+
+def test_sigterm_during_16_streams_completes_every_stream(
+    tiny_chat_dir: Path, proc_factory: Any
+) -> None:
+    """The rollout contract: SIGTERM -> /ready 503 at once, late requests 503 + Retry-After,
+    and every stream already running finishes with all its tokens before the process exits."""
+    streams, tokens = 16, 400
+    p = proc_factory(tiny_chat_dir, "--shutdown-grace-seconds", "120", "--num-pages", "2048")
+    p.wait_ready()
+    body = {"model": "tiny", "prompt": "w7 w8", "max_tokens": tokens, "ignore_eos": True}
+    results: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _stream(p, body)
+        except Exception as exc:  # reported below with the index
+            results[i] = exc
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    for w in workers:
+        w.start()
+    running = f'mstar:num_requests_running{{model_name="tiny"}} {float(streams)}'.encode()
+    deadline = time.monotonic() + 60
+    while running not in p.request("/metrics")[1]:
+        assert time.monotonic() < deadline, "the 16 streams never ran together"
+        time.sleep(0.02)
+    p.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while p.request("/ready")[0] != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    req = urllib.request.Request(
+        p.url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=30)
+    still_streaming = sum(w.is_alive() for w in workers)
+    assert refused.value.code == 503
+    assert refused.value.headers["Retry-After"] == "1"
+    assert json.loads(refused.value.read())["error"]["type"] == "service_unavailable"
+    assert still_streaming > 0, "the refusal came after the drain, not during it"
+    for w in workers:
+        w.join(180)
+    assert p.proc.wait(60) == 0
+    for i in range(streams):
+        assert results[i] == {
+            "status": 200,
+            "chunks": tokens,
+            "finish_reason": "length",
+            "done": True,
+        }, (i, results[i], p.log_path.read_text()[-2000:])
+
+
+def _prestop(p: Proc, *args: str) -> subprocess.Popen[str]:
+    path = os.pathsep.join(str(ROOT / d) for d in ("engine_pod", "kernels", "operator"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "mstar.engine.cli", "prestop", "--port", str(p.port), *args],
+        env={**os.environ, "PYTHONPATH": path},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_prestop_returns_once_requests_stop_arriving(
+    tiny_chat_dir: Path, proc_factory: Any
+) -> None:
+    """The preStop hook holds SIGTERM back while traffic still arrives, then lets it go."""
+    p = proc_factory(tiny_chat_dir)
+    p.wait_ready()
+    body = {"model": "tiny", "prompt": "w7", "max_tokens": 1}
+    hook = _prestop(p, "--quiet-seconds", "2", "--timeout-seconds", "120")
+    started = time.monotonic()
+    for _ in range(150):  # back to back: the gaps are milliseconds, far below the quiet spell
+        assert p.request("/v1/completions", body)[0] == 200
+        assert hook.poll() is None, "the hook returned while requests were still arriving"
+    stopped = time.monotonic()
+    out, _ = hook.communicate(timeout=60)
+    assert hook.returncode == 0
+    assert "out of rotation: no request for" in out
+    assert time.monotonic() - stopped >= 2  # the quiet spell is counted from the last request
+    assert stopped > started
+    # The server kept serving through the hook; it drains only on the SIGTERM that follows.
+    assert p.request("/ready")[0] == 200
+
+    # An idle server still gets the full quiet spell (routers may not have let go yet), and a
+    # never-quiet one is let go at the timeout.
+    t0 = time.monotonic()
+    idle = _prestop(p, "--quiet-seconds", "1")
+    assert "no request for" in idle.communicate(timeout=60)[0]
+    assert time.monotonic() - t0 >= 1
+    capped = _prestop(p, "--quiet-seconds", "60", "--timeout-seconds", "0.5")
+    assert "timed out after" in capped.communicate(timeout=60)[0]
+    assert capped.returncode == 0

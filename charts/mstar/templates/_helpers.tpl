@@ -11,6 +11,10 @@
 {{- printf "%s-operator" (include "mstar.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "mstar.eppRoleName" -}}
+{{- printf "%s-epp" (include "mstar.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "mstar.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "mstar.operatorName" .) .Values.serviceAccount.name -}}

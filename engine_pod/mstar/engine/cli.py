@@ -1,5 +1,7 @@
 """`mstar-engine serve [MODEL] ...`: load the model, start the engine loop, serve OpenAI routes.
 
+`mstar-engine prestop` is the pod's preStop hook (see `mstar.engine.prestop`).
+
 Engine flags come from `EngineConfig` (`add_cli_args` / `from_namespace`), the same contract
 the operator renders into container args; only `--api-key` and `--log-level` are the
 server's own. The API key may also come from `MSTAR_API_KEY`, so it need not sit in a pod spec.
@@ -13,6 +15,7 @@ import logging
 import os
 import sys
 
+from mstar.engine import prestop as prestop_module
 from mstar.engine.config import add_cli_args, from_namespace
 
 API_KEY_ENV = "MSTAR_API_KEY"
@@ -40,12 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="Logging verbosity.",
     )
+    prestop = commands.add_parser(
+        "prestop",
+        help="preStop hook: wait until the local server gets no more requests (out of rotation).",
+        description=prestop_module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prestop_module.add_arguments(prestop)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "prestop":
+        return prestop_module.run(args)
     try:
         config = from_namespace(args)
     except ValueError as exc:

@@ -157,13 +157,15 @@ def from_namespace(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**values)
 
 
-def to_cli_args(config: EngineConfig) -> list[str]:
-    """Flags reproducing `config`: only those that differ from the defaults, in field order."""
+def to_cli_args(config: EngineConfig, *, explicit: bool = False) -> list[str]:
+    """Flags reproducing `config`, in field order: those that differ from the defaults, or with
+    `explicit` every field that has a value (the operator's choice: an engine image whose defaults
+    differ must not silently change a deployment). Unset optional fields (None) have no flag."""
     defaults = EngineConfig()
     args: list[str] = []
     for f in _fields():
         value = getattr(config, f.name)
-        if value == getattr(defaults, f.name):
+        if value is None or (not explicit and value == getattr(defaults, f.name)):
             continue
         flag = f"--{_dash(f.name)}"
         if isinstance(value, bool):

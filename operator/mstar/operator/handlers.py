@@ -14,16 +14,21 @@ from typing import Any
 
 import kopf
 
-from .kube import Kube, KubeError, load_api_client
+from .kube import CUSTOM_KINDS, Kube, KubeError, load_api_client
 from .manifests import MANAGED_BY
 from .reconcile import controller_of, reconcile
+from .router import DEFAULT_EPP_CLUSTER_ROLE
 from .spec import GROUP, PLURAL, VERSION
 
 CHILD_RESOURCES = (
     ("apps", "v1", "deployments"),
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
+    ("", "v1", "serviceaccounts"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    *CUSTOM_KINDS.values(),  # watched only where their CRDs are installed
 )
 OURS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 RETRY_DELAY = 5.0
@@ -83,11 +88,13 @@ def _resync_all(memo: Any, logger: Log) -> None:
     items = [dict(item) for listing in listings for item in listing["items"]]
     for cr in items:
         with contextlib.suppress(kopf.TemporaryError):  # in status already; next period retries
-            _run(kube, cr, logger)
+            _run(memo, cr, logger)
 
 
-def _run(kube: Kube, body: dict[str, Any], logger: Log) -> None:
-    outcome = reconcile(kube, body)
+def _run(memo: Any, body: dict[str, Any], logger: Log) -> None:
+    kube: Kube = memo.kube
+    role = getattr(memo, "epp_cluster_role", None) or DEFAULT_EPP_CLUSTER_ROLE
+    outcome = reconcile(kube, body, role)
     for kind, reason, message in outcome.events:
         logger.info("%s %s: %s", kind, reason, message)
         try:  # posted directly (not kopf.event): works from the resync thread as well
@@ -102,7 +109,7 @@ def _run(kube: Kube, body: dict[str, Any], logger: Log) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile_deployment(body: kopf.Body, memo: Any, logger: Log, **_: Any) -> None:
-    _run(memo.kube, dict(body), logger)
+    _run(memo, dict(body), logger)
 
 
 def _on_child(body: kopf.Body, memo: Any, logger: Log) -> None:
@@ -113,7 +120,7 @@ def _on_child(body: kopf.Body, memo: Any, logger: Log) -> None:
     cr = memo.kube.get_cr(namespace, owner["name"])
     if cr is None or cr["metadata"].get("uid") != owner.get("uid"):
         return  # the CR is gone (garbage collection is removing its children) or replaced
-    _run(memo.kube, cr, logger)
+    _run(memo, cr, logger)
 
 
 for _group, _version, _plural in CHILD_RESOURCES:

@@ -7,6 +7,7 @@ module hides the typed models: every read is turned back into the JSON the API s
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,14 @@ from kubernetes.client.exceptions import ApiException
 from .spec import GROUP, PLURAL, VERSION
 
 REPORTER = "mstar-operator"
+JSON_PATCH = "application/json-patch+json"
+
+#: Kinds served by CRDs of other projects: kind -> (group, version, plural).
+CUSTOM_KINDS = {
+    "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
+    "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
+}
 
 
 class KubeError(Exception):
@@ -54,8 +63,13 @@ class Kube:
         core = self.core = kubernetes.client.CoreV1Api(api_client)
         apps = kubernetes.client.AppsV1Api(api_client)
         hpa = kubernetes.client.AutoscalingV2Api(api_client)
+        policy = kubernetes.client.PolicyV1Api(api_client)
+        rbac = kubernetes.client.RbacAuthorizationV1Api(api_client)
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
         self._ops: dict[str, tuple[Callable[..., Any], ...]] = {
+            kind: self._custom_ops(*where) for kind, where in CUSTOM_KINDS.items()
+        }
+        self._ops |= {
             "ConfigMap": (
                 core.read_namespaced_config_map,
                 core.create_namespaced_config_map,
@@ -80,7 +94,44 @@ class Kube:
                 hpa.patch_namespaced_horizontal_pod_autoscaler,
                 hpa.delete_namespaced_horizontal_pod_autoscaler,
             ),
+            "PodDisruptionBudget": (
+                policy.read_namespaced_pod_disruption_budget,
+                policy.create_namespaced_pod_disruption_budget,
+                policy.patch_namespaced_pod_disruption_budget,
+                policy.delete_namespaced_pod_disruption_budget,
+            ),
+            "ServiceAccount": (
+                core.read_namespaced_service_account,
+                core.create_namespaced_service_account,
+                core.patch_namespaced_service_account,
+                core.delete_namespaced_service_account,
+            ),
+            "RoleBinding": (
+                rbac.read_namespaced_role_binding,
+                rbac.create_namespaced_role_binding,
+                rbac.patch_namespaced_role_binding,
+                rbac.delete_namespaced_role_binding,
+            ),
         }
+
+    def _custom_ops(self, group: str, version: str, plural: str) -> tuple[Callable[..., Any], ...]:
+        """get/create/patch/delete of a CRD kind, with the typed APIs' argument order."""
+        where = (group, version)
+        custom = self.custom
+
+        def read(name: str, namespace: str) -> Any:
+            return custom.get_namespaced_custom_object(*where, namespace, plural, name)
+
+        def create(namespace: str, body: dict[str, Any]) -> Any:
+            return custom.create_namespaced_custom_object(*where, namespace, plural, body)
+
+        def patch(name: str, namespace: str, body: Any) -> Any:
+            return custom.patch_namespaced_custom_object(
+                *where, namespace, plural, name, body, _content_type=JSON_PATCH
+            )
+
+        delete = functools.partial(custom.delete_namespaced_custom_object, *where)
+        return read, create, patch, lambda name, ns: delete(ns, plural, name)
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         if isinstance(obj, dict):
@@ -108,12 +159,19 @@ class Kube:
         except ApiException as exc:
             if exc.status == 409:
                 return None
+            if exc.status == 404 and kind in CUSTOM_KINDS:
+                group, version, _ = CUSTOM_KINDS[kind]
+                raise KubeError(
+                    404,
+                    "NotFound",
+                    f"{kind}: this cluster does not serve {group}/{version} (install its CRDs)",
+                ) from exc
             raise self._fail(exc) from exc
 
     def patch(
-        self, kind: str, namespace: str, name: str, body: dict[str, Any] | list[dict[str, Any]]
+        self, kind: str, namespace: str, name: str, body: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        """A list body is sent as a JSON patch, a dict as a (strategic) merge patch."""
+        """Apply an RFC 6902 JSON patch."""
         try:
             return self._dict(self._ops[kind][2](name, namespace, body))
         except ApiException as exc:

@@ -7,6 +7,8 @@ import os
 
 import kopf
 
+from .router import DEFAULT_EPP_CLUSTER_ROLE
+
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 DEFAULT_RESYNC_SECONDS = 300.0
 
@@ -31,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=float(os.environ.get("MSTAR_RESYNC_SECONDS", DEFAULT_RESYNC_SECONDS)),
         help="Reconcile every MStarDeployment this often, events or not (0 disables).",
     )
+    parser.add_argument(
+        "--epp-cluster-role",
+        default=os.environ.get("MSTAR_EPP_CLUSTER_ROLE", DEFAULT_EPP_CLUSTER_ROLE),
+        help="ClusterRole each endpoint picker is bound to in its namespace (spec.router).",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
     return parser
 
@@ -46,7 +53,11 @@ def main(argv: list[str] | None = None) -> None:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
-        memo=kopf.Memo(namespaces=list(args.namespace), resync_seconds=args.resync_seconds),
+        memo=kopf.Memo(
+            namespaces=list(args.namespace),
+            resync_seconds=args.resync_seconds,
+            epp_cluster_role=args.epp_cluster_role,
+        ),
     )
 
 

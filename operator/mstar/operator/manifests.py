@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from mstar.engine.config import to_cli_args
 
@@ -26,9 +26,16 @@ from .spec import (
 
 MANAGED_BY = "mstar-operator"
 INSTANCE_LABEL = "mstar.dev/deployment"
+#: INSTANCE_LABEL as the chart's ServiceMonitor relabels it onto every engine series.
+INSTANCE_METRIC_LABEL = "mstar_deployment"
+#: The pod label the endpoint picker's metrics extractor reads to pick mstar's metric names.
+ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
+ENGINE_TYPE = "mstar"
 ENGINE_CONTAINER = "engine"
 CONFIG_HASH_ANNOTATION = "mstar.dev/config-hash"
 RUN_AS_USER = 1000
+#: After the preStop wait and the drain grace: aiohttp's cut-off, engine stop, process exit.
+TERMINATION_MARGIN_SECONDS = 10
 
 
 def labels(name: str) -> dict[str, str]:
@@ -63,7 +70,7 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
     }
 
 
-def _metadata(name: str, namespace: str, owner: str, uid: str) -> dict[str, Any]:
+def child_metadata(name: str, namespace: str, owner: str, uid: str) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": namespace,
@@ -81,8 +88,8 @@ def endpoint(name: str, namespace: str, spec: MStarSpec) -> str:
 
 
 def engine_args(spec: MStarSpec) -> list[str]:
-    """The container args: exactly `to_cli_args(EngineConfig)`, the contract with the engine CLI."""
-    return to_cli_args(engine_config(spec))
+    """The container args: `to_cli_args(EngineConfig)` with every setting explicit."""
+    return to_cli_args(engine_config(spec), explicit=True)
 
 
 def build_config_map(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any]:
@@ -91,7 +98,7 @@ def build_config_map(name: str, namespace: str, uid: str, spec: MStarSpec) -> di
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(config_map_name(name), namespace, name, uid),
+        "metadata": child_metadata(config_map_name(name), namespace, name, uid),
         "data": {
             "engine-config.json": json.dumps(asdict(config), indent=2, sort_keys=True),
             "engine-args.json": json.dumps(engine_args(spec)),
@@ -133,7 +140,7 @@ def _otel_env(name: str, namespace: str, spec: MStarSpec) -> list[dict[str, Any]
     return env
 
 
-def _container_security() -> dict[str, Any]:
+def container_security() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
         "allowPrivilegeEscalation": False,
@@ -157,9 +164,7 @@ def build_deployment(
     """Engine pods: GPU limits, flags from EngineConfig, probes, scrape annotations, OTEL env."""
     res = spec["resources"]
     gpus = int(res["gpus"])
-    cpu = str(res["cpu"])
-    cpu = cpu if cpu.endswith("m") else quantity(float(cpu))  # as the API server normalizes it
-    requests: dict[str, Any] = {"cpu": cpu, "memory": str(res["memory"])}
+    requests: dict[str, Any] = {"cpu": cpu_quantity(res["cpu"]), "memory": str(res["memory"])}
     limits: dict[str, Any] = {"memory": str(res["memory"])}
     if gpus > 0:
         requests[res["gpuResourceName"]] = str(gpus)
@@ -216,7 +221,7 @@ def build_deployment(
                 "args": ["--revision", str(hf["revision"]), "--local-dir", f"{MODEL_MOUNT}/hf"],
                 "env": init_env,
                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
-                "securityContext": _container_security(),
+                "securityContext": container_security(),
                 "volumeMounts": [
                     {"name": "models", "mountPath": MODEL_MOUNT},
                     {"name": "cache", "mountPath": "/cache"},
@@ -235,7 +240,7 @@ def build_deployment(
             }
         )
     scheduling = spec["scheduling"]
-    grace = math.ceil(float(spec.engine["shutdownGraceSeconds"])) + 10
+    drain = spec["drain"]
     container = {
         "name": ENGINE_CONTAINER,
         "image": spec["image"],
@@ -253,13 +258,30 @@ def build_deployment(
         "startupProbe": _probe("/health", 10, 90),
         "livenessProbe": _probe("/health", 10, 3),
         "readinessProbe": _probe("/ready", 5, 3),
-        "securityContext": _container_security(),
+        # Kubernetes runs this before SIGTERM: serve until every router has let go of the pod.
+        "lifecycle": {
+            "preStop": {
+                "exec": {
+                    "command": [
+                        "mstar-engine",
+                        "prestop",
+                        "--port",
+                        str(ENGINE_PORT),
+                        "--quiet-seconds",
+                        str(float(drain["quietSeconds"])),
+                        "--timeout-seconds",
+                        str(float(drain["preStopTimeoutSeconds"])),
+                    ]
+                }
+            }
+        },
+        "securityContext": container_security(),
         "volumeMounts": mounts,
     }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(name, namespace, name, uid),
+        "metadata": child_metadata(name, namespace, name, uid),
         "spec": {
             "replicas": int(spec["replicas"]),
             "selector": {"matchLabels": selector_labels(name)},
@@ -271,11 +293,11 @@ def build_deployment(
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
             "template": {
-                "metadata": {"labels": labels(name), "annotations": annotations},
+                "metadata": {"labels": pod_labels(name), "annotations": annotations},
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": grace,
+                    "terminationGracePeriodSeconds": termination_grace_seconds(spec),
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": RUN_AS_USER,
@@ -295,12 +317,43 @@ def build_deployment(
     }
 
 
+def pod_labels(name: str) -> dict[str, str]:
+    """Engine pods: the child labels plus the engine type the endpoint picker keys on."""
+    return {**labels(name), ENGINE_TYPE_LABEL: ENGINE_TYPE}
+
+
+def termination_grace_seconds(spec: MStarSpec) -> int:
+    """preStop wait + drain grace + margin: the kubelet kills the pod only after all three."""
+    return (
+        int(spec["drain"]["preStopTimeoutSeconds"])
+        + math.ceil(float(spec.engine["shutdownGraceSeconds"]))
+        + TERMINATION_MARGIN_SECONDS
+    )
+
+
+def build_pdb(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any] | None:
+    """With several replicas, voluntary disruptions (node drains) take one engine pod at a time."""
+    if int(spec["replicas"]) <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_metadata(name, namespace, name, uid),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A pod that is not ready serves nothing: evicting it must never block a drain.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def build_service(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any]:
     service = spec["service"]
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(name, namespace, name, uid),
+        "metadata": child_metadata(name, namespace, name, uid),
         "spec": {
             "type": service["type"],
             "selector": selector_labels(name),
@@ -316,6 +369,12 @@ def build_service(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[
     }
 
 
+def cpu_quantity(text: Any) -> str:
+    """A CPU quantity as the API server stores it ("1.5" -> "1500m"), so it is no drift."""
+    cpu = str(text)
+    return cpu if cpu.endswith("m") else quantity(float(cpu))
+
+
 def quantity(value: float) -> str:
     """A Kubernetes quantity for an HPA target: 4 -> "4", 0.5 -> "500m"."""
     if float(value).is_integer():
@@ -326,12 +385,12 @@ def quantity(value: float) -> str:
 def build_hpa(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any] | None:
     """Scales the MStarDeployment itself (scale subresource), so spec.replicas stays the truth."""
     auto = spec.autoscaling
-    if not auto:
+    if not auto or auto["mode"] != "hpa":
         return None
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(name, namespace, name, uid),
+        "metadata": child_metadata(name, namespace, name, uid),
         "spec": {
             "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicas": int(auto["minReplicas"]),
@@ -352,15 +411,68 @@ def build_hpa(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str,
     }
 
 
-def build_children(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any]:
-    """Kind -> desired object (HorizontalPodAutoscaler -> None when autoscaling is unset)."""
-    config_map = build_config_map(name, namespace, uid, spec)
+def promql_selector(name: str, namespace: str) -> str:
+    """The label matchers of this deployment's engine series in Prometheus."""
+    return f'namespace="{namespace}",{INSTANCE_METRIC_LABEL}="{name}"'
+
+
+def keda_queries(name: str, namespace: str) -> dict[str, str]:
+    """The ScaledObject's PromQL: waiting requests, and running + waiting (busy) requests."""
+    sel = promql_selector(name, namespace)
+    waiting = f"sum(mstar:num_requests_waiting{{{sel}}})"
+    return {"waiting": waiting, "busy": f"sum(mstar:num_requests_running{{{sel}}}) + {waiting}"}
+
+
+def build_scaled_object(
+    name: str, namespace: str, uid: str, spec: MStarSpec
+) -> dict[str, Any] | None:
+    """KEDA scales the MStarDeployment (0 <-> 1 itself, beyond that through its own HPA)."""
+    auto = spec.autoscaling
+    if not auto or auto["mode"] != "keda":
+        return None
+    keda = auto["keda"]
+    queries = keda_queries(name, namespace)
+
+    def trigger(kind: str, threshold: float) -> dict[str, Any]:
+        return {
+            "type": "prometheus",
+            "name": kind,
+            "metricType": "AverageValue",
+            "metadata": {
+                "serverAddress": str(keda["prometheusAddress"]),
+                "query": queries[kind],
+                "threshold": quantity(threshold),
+                "activationThreshold": "0",
+                "ignoreNullValues": "true",
+            },
+        }
+
+    triggers = [
+        trigger("waiting", float(auto["targetWaitingRequestsPerReplica"])),
+        trigger("busy", float(spec.engine["maxNumSeqs"])),
+        *(dict(t) for t in keda.get("extraTriggers") or []),
+    ]
     return {
-        "ConfigMap": config_map,
-        "Deployment": build_deployment(name, namespace, uid, spec, config_map),
-        "Service": build_service(name, namespace, uid, spec),
-        "HorizontalPodAutoscaler": build_hpa(name, namespace, uid, spec),
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": child_metadata(name, namespace, name, uid),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
+            "minReplicaCount": int(auto["minReplicas"]),
+            "maxReplicaCount": int(auto["maxReplicas"]),
+            "pollingInterval": int(keda["pollingIntervalSeconds"]),
+            "cooldownPeriod": int(keda["cooldownSeconds"]),
+            "triggers": triggers,
+        },
     }
+
+
+class Child(NamedTuple):
+    """One object the operator manages for a CR; `desired` None means "must not exist"."""
+
+    kind: str
+    name: str
+    desired: dict[str, Any] | None
 
 
 def strip_none(value: Any) -> Any:

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import manifests
+from .children import build_children
 from .kube import Kube, KubeError
+from .router import DEFAULT_EPP_CLUSTER_ROLE
 from .spec import KIND, InvalidSpec, MStarSpec, parse_spec
 
-CHILD_ORDER = ("ConfigMap", "Service", "Deployment", "HorizontalPodAutoscaler")
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
 Event = tuple[str, str, str]  # (type: Normal|Warning, reason, message)
@@ -41,10 +42,6 @@ class Outcome:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def child_name(kind: str, name: str) -> str:
-    return manifests.config_map_name(name) if kind == "ConfigMap" else name
 
 
 def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -190,8 +187,13 @@ def _same_status(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return strip(a) == strip(b)
 
 
-def reconcile(kube: Kube, cr: dict[str, Any]) -> Outcome:
-    """Make the children match the CR and write its status; see the module docstring."""
+def reconcile(
+    kube: Kube, cr: dict[str, Any], epp_cluster_role: str = DEFAULT_EPP_CLUSTER_ROLE
+) -> Outcome:
+    """Make the children match the CR and write its status; see the module docstring.
+
+    `epp_cluster_role` is the chart's ClusterRole that the endpoint picker is bound to.
+    """
     meta = cr["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     with _lock_for(namespace, name):
@@ -200,10 +202,10 @@ def reconcile(kube: Kube, cr: dict[str, Any]) -> Outcome:
             return Outcome()
         if fresh["metadata"].get("deletionTimestamp"):
             return Outcome()
-        return _reconcile_locked(kube, fresh)
+        return _reconcile_locked(kube, fresh, epp_cluster_role)
 
 
-def _reconcile_locked(kube: Kube, cr: dict[str, Any]) -> Outcome:
+def _reconcile_locked(kube: Kube, cr: dict[str, Any], epp_cluster_role: str) -> Outcome:
     meta = cr["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     old_status = cr.get("status") or {}
@@ -219,17 +221,14 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any]) -> Outcome:
     try:
         if spec is not None:
             rollout = int(meta.get("generation") or 1) != old_status.get("observedGeneration")
-            children = manifests.build_children(name, namespace, uid, spec)
             conflicts: list[str] = []
-            for kind in CHILD_ORDER:
+            for child in build_children(name, namespace, uid, spec, epp_cluster_role):
                 try:
-                    live = _apply_child(
-                        kube, kind, name, namespace, uid, children[kind], rollout, out
-                    )
+                    live = _apply_child(kube, child, name, uid, namespace, rollout, out)
                 except OwnershipConflict as exc:  # report it, still manage the other children
                     conflicts.append(str(exc))
                     live = None
-                if kind == "Deployment":
+                if (child.kind, child.name) == ("Deployment", name):
                     deployment = live
             failure = "; ".join(conflicts) or None
         else:
@@ -261,15 +260,14 @@ class OwnershipConflict(Exception):
 
 def _apply_child(
     kube: Kube,
-    kind: str,
+    spec_child: manifests.Child,
     name: str,
-    namespace: str,
     uid: str,
-    desired: dict[str, Any] | None,
+    namespace: str,
     rollout: bool,
     out: Outcome,
 ) -> dict[str, Any] | None:
-    child = child_name(kind, name)
+    kind, child, desired = spec_child
     live = kube.get(kind, namespace, child)
     if desired is None:
         owner = controller_of(live) if live else None

@@ -49,15 +49,31 @@ DEFAULTS: dict[str, Any] = {
         "dtype": "auto",
         "maxWaitingRequests": 256,
         "shutdownGraceSeconds": 30,
+        "seed": 0,
     },
     "telemetry": {"samplingRatio": 1, "metrics": True},
     "service": {"type": "ClusterIP", "port": 8000},
+    "drain": {"quietSeconds": 5, "preStopTimeoutSeconds": 30},
     "scheduling": {},
 }
 AUTOSCALING_DEFAULTS: dict[str, Any] = {
+    "mode": "hpa",
     "minReplicas": 1,
     "targetWaitingRequestsPerReplica": 4,
     "metricName": "mstar_num_requests_waiting",
+    "keda": {"pollingIntervalSeconds": 15, "cooldownSeconds": 300},
+}
+EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "path": "/",
+    "requestTimeout": "300s",
+    "endpointPicker": {
+        "image": EPP_IMAGE,
+        "failureMode": "FailOpen",
+        "cpu": "1",
+        "memory": "1Gi",
+        "weights": {"queue": 2, "kvCache": 2, "prefixCache": 3},
+    },
 }
 SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
     "pvc": {"subPath": ""},
@@ -81,6 +97,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "dtype": "dtype",
     "maxWaitingRequests": "max_waiting_requests",
     "shutdownGraceSeconds": "shutdown_grace_seconds",
+    "seed": "seed",
 }
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -146,6 +163,11 @@ class MStarSpec:
         value = self.raw.get("autoscaling")
         return dict(value) if value else None
 
+    @property
+    def router(self) -> dict[str, Any] | None:
+        value = self.raw.get("router")
+        return dict(value) if value else None
+
     def __getitem__(self, key: str) -> Any:
         return self.raw[key]
 
@@ -175,14 +197,15 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
         raw["model"] = {**model, "source": source} if source else dict(model)
     if raw.get("autoscaling"):
         raw["autoscaling"] = _merge_defaults(raw["autoscaling"], AUTOSCALING_DEFAULTS)
-        auto = raw["autoscaling"]
-        if "maxReplicas" not in auto:
-            problems.append("spec.autoscaling.maxReplicas: required")
-        elif auto["minReplicas"] > auto["maxReplicas"]:
-            problems.append(
-                f"spec.autoscaling: minReplicas ({auto['minReplicas']}) exceeds "
-                f"maxReplicas ({auto['maxReplicas']})"
-            )
+        problems += _autoscaling_problems(raw["autoscaling"])
+    if raw.get("router"):
+        raw["router"] = _merge_defaults(raw["router"], ROUTER_DEFAULTS)
+    drain = raw["drain"]
+    if drain["quietSeconds"] > drain["preStopTimeoutSeconds"]:
+        problems.append(
+            f"spec.drain.quietSeconds ({drain['quietSeconds']}) exceeds preStopTimeoutSeconds "
+            f"({drain['preStopTimeoutSeconds']}): the preStop hook could never see the pod quiet"
+        )
     engine = raw["engine"]
     if "numPages" in engine and "gpuMemoryUtilization" in engine:
         problems.append("spec.engine: set numPages or gpuMemoryUtilization, not both")
@@ -212,6 +235,27 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
     if problems:
         raise InvalidSpec(problems)
     return MStarSpec(raw)
+
+
+def _autoscaling_problems(auto: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
+    if "maxReplicas" not in auto:
+        problems.append("spec.autoscaling.maxReplicas: required")
+    elif auto["minReplicas"] > auto["maxReplicas"]:
+        problems.append(
+            f"spec.autoscaling: minReplicas ({auto['minReplicas']}) exceeds "
+            f"maxReplicas ({auto['maxReplicas']})"
+        )
+    if auto["mode"] == "hpa" and auto["minReplicas"] < 1:
+        problems.append(
+            "spec.autoscaling.minReplicas: 0 (scale to zero) needs mode: keda; an HPA keeps >= 1"
+        )
+    if auto["mode"] == "keda" and not auto["keda"].get("prometheusAddress"):
+        problems.append(
+            "spec.autoscaling.keda.prometheusAddress: required with mode: keda "
+            "(the Prometheus that scrapes the engine pods)"
+        )
+    return problems
 
 
 def model_path(spec: MStarSpec) -> str | None:

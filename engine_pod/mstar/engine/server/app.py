@@ -65,6 +65,8 @@ class ServerState:
     max_waiting_requests: int
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    #: When the last request arrived (monotonic); the preStop hook waits for a quiet spell.
+    last_arrival: float = field(default_factory=time.monotonic)
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     generations: set[Generation] = field(default_factory=set)
@@ -148,13 +150,19 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: model loaded, engine loop alive, not draining."""
+    """Readiness: model loaded, engine loop alive, not draining (503 from the first drain step).
+
+    Also says how long ago the last request arrived: `mstar-engine prestop` waits on it.
+    """
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     if not state.async_engine.alive:
         return web.json_response({"status": "engine not running"}, status=503)
-    return web.json_response({"status": "ready", "model": state.model_name})
+    idle = round(time.monotonic() - state.last_arrival, 3)
+    return web.json_response(
+        {"status": "ready", "model": state.model_name, "since_last_request_s": idle}
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -546,8 +554,14 @@ def _encode(tok: Any, text: str, param: str) -> list[int]:
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
-    if state.draining:
-        raise APIError(503, "The server is shutting down.", type="service_unavailable")
+    state.last_arrival = time.monotonic()
+    if state.draining:  # a router that has not let go yet: send it elsewhere
+        raise APIError(
+            503,
+            "The server is shutting down; retry on another replica.",
+            type="service_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
     state.enter()
     gen = Generation(request, kind)
     state.generations.add(gen)

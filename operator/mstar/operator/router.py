@@ -1,0 +1,333 @@
+"""Routing across replicas: the Gateway API Inference Extension children of an MStarDeployment.
+
+With `spec.router` the operator creates an `InferencePool` (inference.networking.k8s.io/v1)
+selecting the engine pods, its endpoint picker (EPP: ServiceAccount, RoleBinding to the chart's
+ClusterRole, ConfigMap, Deployment, Service) configured to read mstar's metric names, and, with
+`router.gateway`, an `HTTPRoute` sending that Gateway's traffic to the pool. The picker scores
+every ready engine pod on queue depth, KV-cache usage and prefix-cache affinity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from .manifests import (
+    CONFIG_HASH_ANNOTATION,
+    ENGINE_TYPE,
+    ENGINE_TYPE_LABEL,
+    INSTANCE_LABEL,
+    MANAGED_BY,
+    Child,
+    child_metadata,
+    config_hash,
+    container_security,
+    cpu_quantity,
+    owner_reference,
+    selector_labels,
+)
+from .spec import ENGINE_PORT, MStarSpec
+
+INFERENCE_GROUP = "inference.networking.k8s.io"
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+EPP_GRPC_PORT = 9002
+EPP_HEALTH_PORT = 9003
+EPP_METRICS_PORT = 9090
+EPP_CONFIG_FILE = "epp-config.yaml"
+DEFAULT_EPP_CLUSTER_ROLE = "mstar-epp"
+
+#: What the picker reads from each engine pod's /metrics (the Model Server Protocol's metrics).
+ENGINE_METRICS = {
+    "queuedRequestsSpec": "mstar:num_requests_waiting",
+    "runningRequestsSpec": "mstar:num_requests_running",
+    "kvUsageSpec": "mstar:kv_cache_usage_perc",
+    "loraSpec": "",  # mstar serves no LoRA adapters
+    "cacheInfoSpec": "",  # the prefix scorer is given the page size instead
+}
+
+
+def epp_name(name: str) -> str:
+    return f"{name}-epp"
+
+
+def epp_labels(name: str) -> dict[str, str]:
+    """The picker's own labels: never matched by the engine selector or the ServiceMonitor."""
+    return {
+        "app.kubernetes.io/name": "mstar-epp",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "endpoint-picker",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        INSTANCE_LABEL: name,
+    }
+
+
+def _epp_metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
+    return {
+        "name": epp_name(name),
+        "namespace": namespace,
+        "labels": epp_labels(name),
+        "ownerReferences": [owner_reference(name, uid)],
+    }
+
+
+def epp_config(spec: MStarSpec) -> dict[str, Any]:
+    """The EndpointPickerConfig: mstar's metric names, three scorers, one profile."""
+    weights = spec["router"]["endpointPicker"]["weights"]
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
+        "kind": "EndpointPickerConfig",
+        "plugins": [
+            {
+                "type": "metrics-data-source",
+                "parameters": {"scheme": "http", "path": "/metrics", "insecureSkipVerify": True},
+            },
+            {
+                "type": "core-metrics-extractor",
+                "parameters": {
+                    "engineLabelKey": ENGINE_TYPE_LABEL,
+                    "defaultEngine": ENGINE_TYPE,
+                    "engineConfigs": [{"name": ENGINE_TYPE, **ENGINE_METRICS}],
+                },
+            },
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {
+                "type": "prefix-cache-scorer",
+                # mstar shares whole KV pages between requests with one prefix.
+                "parameters": {"blockSizeTokens": int(spec.engine["pageSize"])},
+            },
+            {"type": "max-score-picker"},
+            {"type": "single-profile-handler"},
+        ],
+        "data": {
+            "sources": [
+                {
+                    "pluginRef": "metrics-data-source",
+                    "extractors": [{"pluginRef": "core-metrics-extractor"}],
+                }
+            ]
+        },
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": int(weights["queue"])},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": int(weights["kvCache"])},
+                    {"pluginRef": "prefix-cache-scorer", "weight": int(weights["prefixCache"])},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    }
+
+
+def build_inference_pool(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any]:
+    picker = spec["router"]["endpointPicker"]
+    return {
+        "apiVersion": f"{INFERENCE_GROUP}/v1",
+        "kind": "InferencePool",
+        "metadata": child_metadata(name, namespace, name, uid),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "appProtocol": "http",
+            "endpointPickerRef": {
+                "group": "",
+                "kind": "Service",
+                "name": epp_name(name),
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": str(picker["failureMode"]),
+            },
+        },
+    }
+
+
+def build_http_route(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any] | None:
+    router = spec["router"]
+    gateway = router.get("gateway")
+    if not gateway:
+        return None
+    parent: dict[str, Any] = {"group": GATEWAY_GROUP, "kind": "Gateway", "name": gateway["name"]}
+    for key in ("namespace", "sectionName"):
+        if gateway.get(key):
+            parent[key] = gateway[key]
+    return {
+        "apiVersion": f"{GATEWAY_GROUP}/v1",
+        "kind": "HTTPRoute",
+        "metadata": child_metadata(name, namespace, name, uid),
+        "spec": {
+            "parentRefs": [parent],
+            "rules": [
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": str(router["path"])}}],
+                    "backendRefs": [
+                        {"group": INFERENCE_GROUP, "kind": "InferencePool", "name": name}
+                    ],
+                    "timeouts": {"request": str(router["requestTimeout"])},
+                }
+            ],
+        },
+    }
+
+
+def _epp_deployment(
+    name: str, namespace: str, uid: str, spec: MStarSpec, config_map: dict[str, Any]
+) -> dict[str, Any]:
+    picker = spec["router"]["endpointPicker"]
+    memory = str(picker["memory"])
+    health = {"grpc": {"port": EPP_HEALTH_PORT, "service": "inference-extension"}}
+    container = {
+        "name": "epp",
+        "image": str(picker["image"]),
+        "imagePullPolicy": "IfNotPresent",
+        "args": [
+            "--pool-name",
+            name,
+            "--pool-namespace",
+            namespace,
+            "--pool-group",
+            INFERENCE_GROUP,
+            "--config-file",
+            f"/config/{EPP_CONFIG_FILE}",
+            "--grpc-port",
+            str(EPP_GRPC_PORT),
+            "--grpc-health-port",
+            str(EPP_HEALTH_PORT),
+            "--metrics-port",
+            str(EPP_METRICS_PORT),
+            # Metrics auth would need cluster-wide TokenReview rights; the port stays in-cluster.
+            "--metrics-endpoint-auth=false",
+            "--zap-encoder",
+            "json",
+        ],
+        "env": [
+            {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "ports": [
+            {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "livenessProbe": {**health, "initialDelaySeconds": 5, "periodSeconds": 10},
+        "readinessProbe": {**health, "periodSeconds": 2},
+        "resources": {
+            "requests": {"cpu": cpu_quantity(picker["cpu"]), "memory": memory},
+            "limits": {"memory": memory},
+        },
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _epp_metadata(name, namespace, uid),
+        "spec": {
+            "replicas": 1,  # one picker per pool: its prefix-cache index lives in memory
+            "selector": {
+                "matchLabels": {"app.kubernetes.io/name": "mstar-epp", INSTANCE_LABEL: name}
+            },
+            "strategy": {"type": "Recreate"},
+            "template": {
+                "metadata": {
+                    "labels": epp_labels(name),
+                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash(config_map)},
+                },
+                "spec": {
+                    "serviceAccountName": epp_name(name),
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": 30,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 65532,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": "config", "configMap": {"name": epp_name(name)}}],
+                },
+            },
+        },
+    }
+
+
+def build_router(
+    name: str, namespace: str, uid: str, spec: MStarSpec, epp_cluster_role: str
+) -> list[Child]:
+    """Every routing child, in the order to apply them; all absent without `spec.router`."""
+    epp = epp_name(name)
+    if not spec.router:
+        return [
+            Child(kind, child, None)
+            for kind, child in (
+                ("HTTPRoute", name),
+                ("InferencePool", name),
+                ("Service", epp),
+                ("Deployment", epp),
+                ("ConfigMap", epp),
+                ("RoleBinding", epp),
+                ("ServiceAccount", epp),
+            )
+        ]
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _epp_metadata(name, namespace, uid),
+        "data": {EPP_CONFIG_FILE: yaml.safe_dump(epp_config(spec), sort_keys=False)},
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _epp_metadata(name, namespace, uid),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {"app.kubernetes.io/name": "mstar-epp", INSTANCE_LABEL: name},
+            "ports": [
+                {  # ext-proc is gRPC: HTTP/2 without TLS inside the cluster
+                    "name": "grpc-ext-proc",
+                    "port": EPP_GRPC_PORT,
+                    "targetPort": "grpc",
+                    "protocol": "TCP",
+                    "appProtocol": "kubernetes.io/h2c",
+                },
+                {
+                    "name": "metrics",
+                    "port": EPP_METRICS_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }
+    return [
+        Child(
+            "ServiceAccount",
+            epp,
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": _epp_metadata(name, namespace, uid),
+            },
+        ),
+        Child(
+            "RoleBinding",
+            epp,
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": _epp_metadata(name, namespace, uid),
+                # Watching pods and pools is granted in this namespace only.
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": epp_cluster_role,
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": epp, "namespace": namespace}],
+            },
+        ),
+        Child("ConfigMap", epp, config_map),
+        Child("Deployment", epp, _epp_deployment(name, namespace, uid, spec, config_map)),
+        Child("Service", epp, service),
+        Child("InferencePool", name, build_inference_pool(name, namespace, uid, spec)),
+        Child("HTTPRoute", name, build_http_route(name, namespace, uid, spec)),
+    ]

@@ -1,0 +1,233 @@
+"""Autoscaling end to end. The prometheus-adapter rule shipped in the chart's values and the KEDA
+ScaledObject's queries, evaluated by a real Prometheus scraping the real engine server under
+load, return the waiting count the server reports; `kubectl scale msd` works through the scale
+subresource, as the HPA and KEDA use it, with the real operator following."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from crd_schema import admit
+from extension_schemas import install, load, problems
+from kube_emulator import EmulatedCluster
+from live_server import LiveServer, make_engine
+from op_harness import CRS, ROOT, Kubectl, Operator, wait_for
+
+from mstar.operator import manifests
+from mstar.operator.children import build_children, child_of
+from mstar.operator.spec import AUTOSCALING_DEFAULTS, parse_spec
+from tests.prometheus_helper import prometheus_available, query, run_prometheus
+
+VALUES = ROOT / "charts" / "mstar" / "values.yaml"
+NS, NAME = "team-a", "smollm2"
+PODS = ["smollm2-5d8f7c9b4-x2x7q"]
+# What the chart's ServiceMonitor gives every engine series in a cluster.
+SCRAPE_LABELS = {"namespace": NS, "pod": PODS[0], manifests.INSTANCE_METRIC_LABEL: NAME}
+RUNNING, IN_FLIGHT = 2, 6  # max_num_seqs, and requests kept in flight: 4 always wait
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    values = yaml.safe_load(VALUES.read_text())
+    rules = values["prometheusAdapter"]["rules"]["custom"]
+    assert isinstance(rules, list)
+    return rules
+
+
+def adapter_query(rule: dict[str, Any], namespace: str, pods: list[str]) -> str:
+    """The PromQL prometheus-adapter runs for GET .../namespaces/NS/pods/*/METRIC."""
+    match = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"])
+    assert match, rule["seriesQuery"]
+    fields = {
+        "Series": match.group(0),
+        "LabelMatchers": f'namespace="{namespace}",pod=~"{"|".join(pods)}"',
+        "GroupBy": "pod",
+    }
+    promql = str(rule["metricsQuery"])
+    for key, value in fields.items():
+        promql = promql.replace(f"<<.{key}>>", value)
+    assert "<<" not in promql, f"a template field the test does not know: {promql}"
+    return promql
+
+
+class SteadyLoad:
+    """Keeps IN_FLIGHT long completions in flight (each one done is replaced at once)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(IN_FLIGHT)]
+
+    def _run(self) -> None:
+        body = json.dumps(
+            {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+        ).encode()
+        while not self._stop.is_set():
+            req = urllib.request.Request(
+                self.url + "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                resp.read()
+
+    def __enter__(self) -> SteadyLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+@pytest.fixture()
+def loaded(tiny_llama_dir: Path) -> Iterator[LiveServer]:
+    with (
+        LiveServer(make_engine(tiny_llama_dir, max_num_seqs=RUNNING)) as live,
+        SteadyLoad(live.url),
+    ):
+        yield live
+
+
+def _until_equal(prom: str, promql: str, server: Any, what: str) -> float:
+    """Poll until the PromQL value equals what the server reports now (and it is > 0)."""
+    last: tuple[Any, float] = ((), 0.0)
+
+    def same() -> float | None:
+        nonlocal last
+        rows = query(prom, promql)
+        reported = server()
+        last = (rows, reported)
+        if len(rows) == 1 and reported > 0 and float(rows[0]["value"][1]) == reported:
+            return reported
+        return None
+
+    try:
+        return wait_for(same, what, timeout=60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last rows/server value: {last}") from None
+
+
+@pytest.mark.skipif(
+    not prometheus_available(),
+    reason="prometheus is not installed (scripts/install-test-tools.sh installs it)",
+)
+def test_adapter_rule_and_keda_queries_return_the_servers_waiting_count(
+    loaded: LiveServer,
+) -> None:
+    (rule,) = adapter_rules()
+    # The HPA asks for the name the rule exposes.
+    series = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"])
+    assert series and re.fullmatch(rule["name"]["matches"], series.group(0))
+    assert rule["name"]["as"] == AUTOSCALING_DEFAULTS["metricName"]
+    doc, _ = admit(yaml.safe_load((ROOT / "examples" / "mstardeployment.yaml").read_text()))
+    hpa = child_of(
+        build_children(NAME, NS, "u", parse_spec(doc["spec"])), "HorizontalPodAutoscaler", NAME
+    )
+    assert hpa is not None
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == rule["name"]["as"]
+
+    keda, _ = admit(yaml.safe_load((CRS / "valid-keda.yaml").read_text()))
+    scaled = child_of(build_children(NAME, NS, "u", parse_spec(keda["spec"])), "ScaledObject", NAME)
+    assert scaled is not None
+    assert problems("scaledobject", scaled) == []
+    waiting, busy = scaled["spec"]["triggers"][:2]
+    allowed = set(load("scaledobject")["prometheusMetadata"])
+    assert set(waiting["metadata"]) <= allowed and set(busy["metadata"]) <= allowed
+
+    def server_waiting() -> float:
+        return loaded.metric("mstar:num_requests_waiting")
+
+    def server_busy() -> float:
+        return server_waiting() + loaded.metric("mstar:num_requests_running")
+
+    with run_prometheus([f"127.0.0.1:{loaded.port}"], labels=SCRAPE_LABELS) as prom:
+        # Discovery: the rule's series query finds the series, with the labels it maps to pods.
+        wait_for(lambda: query(prom, rule["seriesQuery"]), "the adapter's series query")
+        (row,) = query(prom, rule["seriesQuery"])
+        for label, target in rule["resources"]["overrides"].items():
+            assert label in row["metric"], f"no {label} label for {target}"
+        per_pod = adapter_query(rule, NS, PODS)
+        got = _until_equal(prom, per_pod, server_waiting, "the adapter rule's value")
+        assert got == IN_FLIGHT - RUNNING
+        (row,) = query(prom, per_pod)
+        assert row["metric"] == {"pod": PODS[0]}  # one value per pod, as the HPA expects
+        got = _until_equal(prom, waiting["metadata"]["query"], server_waiting, "KEDA's waiting")
+        assert got == IN_FLIGHT - RUNNING
+        got = _until_equal(prom, busy["metadata"]["query"], server_busy, "KEDA's busy query")
+        assert got == IN_FLIGHT
+        # Another deployment's series are not counted: the selector names this one.
+        other = waiting["metadata"]["query"].replace(f'"{NAME}"', '"someone-else"')
+        assert query(prom, other) == []
+
+
+# -- the scale subresource with the real operator on the emulated cluster ---------------------
+
+CPU = ROOT / "examples" / "mstardeployment-cpu.yaml"
+CPU_NAME = "smollm2-cpu"
+
+
+def _dep_replicas(cluster: EmulatedCluster, name: str) -> int | None:
+    dep = cluster.get("apps/v1/deployments", "default", name)
+    return None if dep is None else int(dep["spec"]["replicas"])
+
+
+def test_kubectl_scale_goes_through_the_scale_subresource(
+    cluster: EmulatedCluster, kubectl: Kubectl, operator: Operator
+) -> None:
+    kubectl.apply(CPU)
+    wait_for(lambda: _dep_replicas(cluster, CPU_NAME) == 1, "the Deployment with 1 replica")
+    assert cluster.get("policy/v1/poddisruptionbudgets", "default", CPU_NAME) is None
+
+    kubectl.run("scale", "msd", CPU_NAME, "--replicas", "3")
+    wait_for(lambda: _dep_replicas(cluster, CPU_NAME) == 3, "the Deployment to follow to 3")
+    cr = cluster.get("mstar.dev/v1alpha1/mstardeployments", "default", CPU_NAME) or {}
+    assert cr["spec"]["replicas"] == 3
+    wait_for(
+        lambda: cluster.get("policy/v1/poddisruptionbudgets", "default", CPU_NAME),
+        "a PodDisruptionBudget once there are several replicas",
+    )
+    path = f"/apis/mstar.dev/v1alpha1/namespaces/default/mstardeployments/{CPU_NAME}/scale"
+
+    def scale() -> dict[str, Any]:
+        out = json.loads(kubectl.run("get", "--raw", path).stdout)
+        assert isinstance(out, dict)
+        return out
+
+    wait_for(lambda: scale()["status"].get("selector"), "the selector in the Scale status")
+    seen = scale()
+    assert (seen["kind"], seen["spec"]["replicas"]) == ("Scale", 3)
+    assert seen["status"]["selector"] == manifests.selector_string(CPU_NAME)  # what an HPA reads
+
+    kubectl.run("scale", "msd", CPU_NAME, "--replicas", "0")
+    wait_for(lambda: _dep_replicas(cluster, CPU_NAME) == 0, "the Deployment to follow to 0")
+    wait_for(
+        lambda: cluster.get("policy/v1/poddisruptionbudgets", "default", CPU_NAME) is None,
+        "the PodDisruptionBudget to go with the replicas",
+    )
+    bad = kubectl.run("scale", "msd", CPU_NAME, "--replicas", "-1", check=False)
+    assert bad.returncode != 0
+
+
+def test_keda_mode_creates_a_scaled_object_and_no_hpa(
+    cluster: EmulatedCluster, kubectl: Kubectl, operator: Operator, tmp_path: Path
+) -> None:
+    install(kubectl, tmp_path, "scaledobject")
+    kubectl.apply(CRS / "valid-keda.yaml")
+    scaled = wait_for(
+        lambda: cluster.get("keda.sh/v1alpha1/scaledobjects", "default", "scale-to-zero"),
+        "the ScaledObject",
+    )
+    assert problems("scaledobject", scaled) == []
+    assert scaled["spec"]["minReplicaCount"] == 0
+    wait_for(lambda: cluster.get("apps/v1/deployments", "default", "scale-to-zero"), "engine")
+    assert (
+        cluster.get("autoscaling/v2/horizontalpodautoscalers", "default", "scale-to-zero") is None
+    )
