@@ -76,10 +76,6 @@ if ! on_path kubernetes-validate; then
     missing kubernetes-validate "the strict manifest validation will skip (pip install -e .[test])"
 fi
 
-if [ -n "$failed" ]; then
-    exit 1
-fi
-
 # --- container image tools (issue 12: scripts/build-images.sh, tests/operator/test_images.py) ---
 # podman + runc build and run the images (crun fails on hosts with cgroups hybrid mode), buildah
 # backs podman build, mmdebstrap makes the base rootfs, shellcheck lints the build script.
@@ -90,3 +86,8 @@ for tool in podman buildah mmdebstrap runc shellcheck; do  # each binary = its D
     fi
 done
 # --- end of container image tools ---
+
+if [ -n "$failed" ]; then
+    exit 1
+fi
+
