@@ -7,12 +7,15 @@ import random
 from pathlib import Path
 
 import pytest
+from counting import CountingDict
 from models import TINY_VOCAB, hf_greedy
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
 from mstar.engine.outputs import ErrorKind
 from mstar.engine.request import RequestStatus
+from mstar.engine.resources.kv import KVRequestConfig
+from mstar.engine.resources.step import ResourceStep, Segment, StepContext
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 
 NEW_TOKENS = 24
@@ -260,3 +263,32 @@ def test_a_burst_on_a_tiny_pool_finishes_exactly_without_an_eviction_storm(
         assert c.evictions / len(prompts) <= 1.5
         assert (c.offloads > 0) == (host_gb > 0) and (c.recomputations > 0) == (host_gb == 0)
         _assert_no_pages_held(engine)
+
+
+def test_stats_and_steps_do_not_walk_a_large_prefix_index(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "0")  # the debug check walks everything
+    n = 20_000
+    engine = _engine(tiny_llama_dir, num_pages=n + 64, page_size=1, max_model_len=n + 8)
+    # Fill the index with one long cached chain, straight through the KV resource.
+    kv = engine.kv
+    tokens = [3 + i % (TINY_VOCAB - 3) for i in range(n)]
+    kv.ingest_request("fill", KVRequestConfig(tokens))
+    step = ResourceStep(segments=(Segment("fill", "main", n),))
+    ctx = StepContext(["fill"], "llm", 0, False)
+    assert kv.admit(step, ctx).ok
+    kv.commit(step, ctx)
+    kv.remove_request("fill")
+    prefix = kv.prefix
+    assert prefix is not None and len(prefix) == n
+    entries = prefix._entries = CountingDict(prefix._entries)
+    page_keys = prefix._page_keys = CountingDict(prefix._page_keys)
+
+    stats = engine.stats()
+    assert stats.kv_usage == 0.0 and kv.num_cached_pages == n
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.stats()
+    assert entries.walks == page_keys.walks == 0

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 import torch
+from counting import CountingDict
 
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig, chain_key
 from mstar.engine.resources.step import (
@@ -244,43 +242,6 @@ def test_usage_counts_idle_cached_pages_as_free() -> None:
     assert kv.num_free_pages == 5 and kv.usage == 0.0
 
 
-class _CountingDict(dict[Any, Any]):
-    """A dict that counts walks (iteration) and single-key touches."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.walks = 0
-        self.touches = 0
-
-    def __iter__(self) -> Iterator[Any]:
-        self.walks += 1
-        return super().__iter__()
-
-    def items(self) -> Any:
-        self.walks += 1
-        return super().items()
-
-    def keys(self) -> Any:
-        self.walks += 1
-        return super().keys()
-
-    def values(self) -> Any:
-        self.walks += 1
-        return super().values()
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.touches += 1
-        return super().get(key, default)
-
-    def __getitem__(self, key: Any) -> Any:
-        self.touches += 1
-        return super().__getitem__(key)
-
-    def __delitem__(self, key: Any) -> None:
-        self.touches += 1
-        super().__delitem__(key)
-
-
 def test_large_index_stats_and_eviction_do_not_walk_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "0")  # the debug check walks everything
     n = 50_001
@@ -303,8 +264,8 @@ def test_large_index_stats_and_eviction_do_not_walk_it(monkeypatch: pytest.Monke
     assert kv.match_prefix("b", tokens[:10]) == 9  # 9 indexed pages busy again
     prefix = kv.prefix
     assert prefix is not None and len(prefix) == n
-    entries = prefix._entries = _CountingDict(prefix._entries)
-    page_keys = prefix._page_keys = _CountingDict(prefix._page_keys)
+    entries = prefix._entries = CountingDict(prefix._entries)
+    page_keys = prefix._page_keys = CountingDict(prefix._page_keys)
 
     assert kv.num_cached_pages == n - 9
     assert kv.usage == pytest.approx(9 / n)
