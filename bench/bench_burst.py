@@ -6,7 +6,7 @@
 pages, so nearly every victim is recomputed), then to one with the default pool. Reports wall
 time, timeouts, and evictions / recomputations per request read from the server's `/metrics`.
 
-    python bench/bench_burst.py [--requests 60] [--port 8123]
+    python bench/bench_burst.py [--requests 60] [--port 8431]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def run(flags: list[str], port: int, work: list[tuple[str, int]], timeout: float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=60)
-    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--timeout", type=float, default=180.0)
     args = ap.parse_args()
     work = prompts(args.requests)

@@ -4,7 +4,8 @@ A fixed workload (64 requests, prompts of 100-400 random tokens, 64-128 new toke
 ignore_eos, all submitted at once) on a device KV pool holding about a quarter of its peak
 demand (the sum of every request's prompt + output tokens). Both engines get the same pages of
 16 tokens (mstar `num_pages`, vLLM `num_gpu_blocks_override`), the same `max_num_seqs` and
-token budget, prefix caching off, bf16 SmolLM2-135M-Instruct from the same converted folder.
+token budget, prefix caching off, SmolLM2-135M-Instruct from the same converted folder in the
+same dtype (`--dtype`, bf16 by default).
 vLLM runs in its own virtual environment (`bench/peers/setup_vllm.sh`), in a subprocess, with
 `VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its best configuration here); mstar uses
 torch's default of one OpenMP thread per core. Reports wall time, output tokens/s, evictions per
@@ -35,6 +36,8 @@ from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.sampling_params import SamplingParams
 
 PAGE = 16
+#: Set from --dtype (both engines run the same weights in the same dtype).
+DTYPE = ["bfloat16"]
 HERE = Path(__file__).resolve().parent
 
 
@@ -63,7 +66,7 @@ def run_mstar(
     engine = LLMEngine.from_config(
         EngineConfig(
             model=folder,
-            dtype="bfloat16",
+            dtype=DTYPE[0],
             device="cpu",
             num_pages=pages + 1,  # + the sink page, so both engines get `pages` usable pages
             page_size=PAGE,
@@ -112,7 +115,7 @@ def run_vllm(
             json.dumps(
                 {
                     "model": folder,
-                    "dtype": "bfloat16",
+                    "dtype": DTYPE[0],
                     "block_size": PAGE,
                     "num_blocks": pages,
                     "max_num_seqs": seqs,
@@ -166,10 +169,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--host-offload-gb", type=float, default=1.0)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
 
+    DTYPE[0] = args.dtype
     folder = str(default_model_path())
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     requests = workload(args.requests, args.seed, vocab)
@@ -191,7 +196,7 @@ def main() -> None:
         results["vLLM-CPU"] = min(runs, key=lambda r: r.wall_s)
         print("vLLM-CPU", [f"{r.wall_s:.1f}s" for r in runs], flush=True)
 
-    text = table(results, args.requests, pages, peak)
+    text = f"dtype {args.dtype}. " + table(results, args.requests, pages, peak)
     cpu = platform.processor() or platform.machine()
     machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
     text += f"\n\nMachine: {machine}; load before start {os.getloadavg()[0]:.2f}.\n"
