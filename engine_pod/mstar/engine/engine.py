@@ -93,10 +93,11 @@ class LLMEngine:
         sampler = SamplerResource(model_config.vocab_size, device=device, seed=config.seed)
         attention = AttentionResource(
             self.kv.cache,
-            select_attention_backend(device),
+            select_attention_backend(device, config.attention_backend, dtype),
             num_qo_heads=model_config.num_heads,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
+            sink_page=self.kv.arena.sink_page,
         )
         self.runner = StepRunner(
             {
@@ -117,7 +118,14 @@ class LLMEngine:
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
             ),
         )
-        self.model_runner = ModelRunner(decoder, self.runner, sampler, device)
+        self.model_runner = ModelRunner(
+            decoder, self.runner, sampler, device, preplan=config.enable_preplan
+        )
+        self.scheduler.make_context = self.model_runner.step_context
+        self.model_runner.predict_next = self.scheduler.predict_next
+        self.model_runner.setup_graphs(
+            config.cuda_graph_batch_sizes, config.enforce_eager, self.max_model_len
+        )
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
