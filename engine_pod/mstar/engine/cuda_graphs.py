@@ -99,7 +99,7 @@ class PaddedLayout(NamedTuple):
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
-    write_slots: torch.Tensor  # int64 host [bs]
+    write_slots: torch.Tensor  # int64 [bs], on the KV plan's device
 
 
 def pad_decode_layout(plan: KVPlan, bs: int, sink_page: int) -> PaddedLayout:
@@ -116,8 +116,10 @@ def pad_decode_layout(plan: KVPlan, bs: int, sink_page: int) -> PaddedLayout:
     kv_indptr = torch.cat([plan.kv_indptr[:-1].to(i32), kv_tail + torch.arange(pad + 1, dtype=i32)])
     kv_indices = torch.cat([plan.kv_indices.to(i32), torch.full((pad,), sink_page, dtype=i32)])
     last = torch.cat([plan.kv_last_page_len.to(i32), torch.ones(pad, dtype=i32)])
-    sink_slot = torch.full((pad,), sink_page * plan.page_size, dtype=torch.int64)
-    write_slots = torch.cat([plan.write_slots.to("cpu", torch.int64), sink_slot])
+    # write_slots stay on the cache's device: no device-to-host copy on the replay path.
+    dev = plan.write_slots.device
+    sink_slot = torch.full((pad,), sink_page * plan.page_size, dtype=torch.int64, device=dev)
+    write_slots = torch.cat([plan.write_slots.to(torch.int64), sink_slot])
     return PaddedLayout(qo, kv_indptr, kv_indices, last, write_slots)
 
 
