@@ -32,7 +32,7 @@ from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
-from mstar.kernels import select_attention_backend
+from mstar.kernels import resolve_attention_backend, select_attention_backend
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
@@ -132,6 +132,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         device = _pick_device(config.device)
         dtype = _pick_dtype(config.dtype, device)
+        # Refuse an unavailable attention backend before spending time on the weights.
+        resolve_attention_backend(config.attention_backend, device, dtype)
         path = config.model or str(default_model_path())
         decoder, model_config, tokenizer = load_model(path, dtype=dtype, device=device)
         bytes_per_page = (

@@ -93,8 +93,18 @@ class FlashInferPagedAttention:
         )
         self._wrapper: Any = None
         self._num_tokens = 0
+        #: Device copy of the step's page indices, reused (grown, never shrunk) step to step.
+        self._indices = torch.zeros(1024, dtype=torch.int32, device=self.device)
         self.runs = 0
         self.plans = 0
+
+    def _device_indices(self, host: torch.Tensor) -> torch.Tensor:
+        n = host.numel()
+        if n > self._indices.numel():
+            self._indices = torch.zeros(2 * n, dtype=torch.int32, device=self.device)
+        view = self._indices[:n]
+        view.copy_(host, non_blocking=True)
+        return view
 
     def plan(
         self,
@@ -111,7 +121,7 @@ class FlashInferPagedAttention:
     ) -> None:
         """FlashInfer's plan for this step, once; every layer's ``run`` reuses it."""
         lay = _Layout(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
-        indices = lay.kv_indices.to(self.device, non_blocking=True)
+        indices = self._device_indices(lay.kv_indices)
         if lay.all_decode:
             self._decode.plan(
                 lay.kv_indptr,
