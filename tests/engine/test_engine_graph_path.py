@@ -95,3 +95,32 @@ def test_preplan_on_and_off_give_identical_tokens(tiny_llama_dir: Path) -> None:
     # Requests finishing changed the rows: some stages were cleared, not promoted.
     assert sampler_on.promotions < on.model_runner.preplans  # type: ignore[attr-defined]
     assert torch.equal(torch.tensor(on.kv.num_free_pages), torch.tensor(off.kv.num_free_pages))
+
+
+def test_only_batched_decode_within_the_largest_bucket_takes_the_graph_path(
+    tiny_llama_dir: Path,
+) -> None:
+    engine = _engine(tiny_llama_dir)
+    why = engine.model_runner.setup_graphs((1, 2), False, engine.max_model_len, capture=False)
+    assert why is None
+    graphs = engine.model_runner.graphs
+    assert graphs is not None
+    kinds: list[tuple[bool, int, bool]] = []
+    execute = engine.model_runner.execute
+
+    def recording(batch):  # type: ignore[no-untyped-def]
+        decode = len(batch.sample_rows) == len(batch.rows) and all(
+            r.num_tokens == 1 for r in batch.rows
+        )
+        before = graphs.eager_runs
+        result = execute(batch)
+        kinds.append((decode, len(batch.rows), graphs.eager_runs > before))
+        return result
+
+    engine.model_runner.execute = recording  # type: ignore[method-assign]
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    engine.generate(PROMPTS, [short, short, short, long, long])
+    assert {(d and n <= 2) for d, n, _ in kinds} == {True, False}  # both kinds happened
+    for decode, rows, padded in kinds:
+        assert padded == (decode and rows <= 2), (decode, rows, padded)
