@@ -24,7 +24,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/engine_pod:$PWD/operator:$PWD/kernels:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 MSTAR_GPU_REQUIRE_FLASHINFER=1
-export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-jit MAX_JOBS=16
+# FlashInfer JIT: sm_90a only (the H200), its cache under /tmp, nvcc from PATH or CUDA_HOME.
+export FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer-jit FLASHINFER_CUDA_ARCH_LIST="9.0a" MAX_JOBS=16
+command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "no nvcc on PATH (CUDA_HOME=${CUDA_HOME:-unset})"
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" \
   || echo "flashinfer did NOT import: the FlashInfer tests below fail (MSTAR_GPU_REQUIRE_FLASHINFER=1)"
 rc=0
