@@ -19,10 +19,13 @@ from mstar.engine.cuda_graphs import (
     pad_positions,
     slot_specs,
 )
+from mstar.engine.resources.attention import AttentionResource
+from mstar.engine.resources.kv import KVCache, KVConfig
 from mstar.engine.resources.kv.plan import build_plan
 from mstar.engine.resources.kv.stream import Stream
-from mstar.engine.resources.step import BucketKey, Segment
-from mstar.kernels import BackendUnavailable, resolve_attention_backend
+from mstar.engine.resources.positions import PositionsResource
+from mstar.engine.resources.step import BucketKey, ResourceStep, Segment, SlotLease, StepContext
+from mstar.kernels import BackendUnavailable, TorchPagedAttention, resolve_attention_backend
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -171,3 +174,35 @@ def test_gpu_flags_round_trip() -> None:
     assert parse_cli_args(args) == cfg
     with pytest.raises(ValueError, match="--attention-backend must be one of"):
         EngineConfig(attention_backend="triton")
+
+
+def test_resource_graph_buffers_keep_their_addresses_across_builds() -> None:
+    cache = KVCache(KVConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=8, page_size=4))
+    attn = AttentionResource(
+        cache, TorchPagedAttention(), num_qo_heads=2, num_kv_heads=1, head_dim=4, sink_page=0
+    )
+    pos = PositionsResource()
+    big = slot_specs((1, 2, 4), 2)
+    for res in (attn, pos):
+        res.build_cuda_graph_buffers(big, 4, 32)
+    empty = build_plan((), {}, 4, torch.device("cpu"))
+
+    def planned(lease: SlotLease) -> tuple[int, int, object]:
+        ctx = StepContext([], DECODE_WALK, lease.slot, True, slot_lease=lease)
+        ctx.plan_results["kv"] = empty
+        a = attn.plan(ResourceStep(), ctx)
+        p = pos.plan(ResourceStep(), ctx)
+        assert a.write_slots.tolist() == [0] * lease.bucket.bs  # type: ignore[union-attr]
+        return a.write_slots.data_ptr(), p.data_ptr(), a.backend
+
+    first = {spec: planned(spec) for spec in big}
+    # A second, smaller build (another capturing runner) must not move or replace anything.
+    for res in (attn, pos):
+        res.build_cuda_graph_buffers(slot_specs((1, 2), 2), 2, 32)
+    assert {spec: planned(spec) for spec in big} == first
+    # Slots have separate buffers; buckets of one slot share (slice) them.
+    s0, s1 = SlotLease(0, BucketKey(DECODE_WALK, 4, 4)), SlotLease(1, BucketKey(DECODE_WALK, 4, 4))
+    assert first[s0][0] != first[s1][0]
+    assert first[SlotLease(0, BucketKey(DECODE_WALK, 1, 1))][0] == first[s0][0]
+    with pytest.raises(RuntimeError, match="handed out"):
+        attn.build_cuda_graph_buffers(slot_specs((8,), 2), 8, 32)  # growing after use
