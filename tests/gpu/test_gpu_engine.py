@@ -139,7 +139,7 @@ def test_graph_replay_equals_eager_for_every_bucket(model_dir: Path) -> None:
             )
             with torch.inference_mode():
                 replayed = graphs.run(lease, ids, plans[ROPE], plans[ATTN]).clone()
-                eager = graphs._static_forward(lease, plans[ROPE], plans[ATTN])[:rows]
+                eager = graphs.static_forward(lease, plans[ROPE], plans[ATTN])[:rows]
             torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
             engine.runner.abort_step(batch.step)
             for r in batch.rows:

@@ -228,7 +228,8 @@ class CudaGraphRunner:
                 torch.arange(self.max_bs, dtype=torch.int64)
             )
 
-    def _static_forward(self, lease: SlotLease, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+    def static_forward(self, lease: SlotLease, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+        """The bucket's forward over the slot's static buffers: what a graph records."""
         assert lease.bucket is not None
         bs = lease.bucket.bs
         bufs = self.buffers[lease.slot]
@@ -259,11 +260,11 @@ class CudaGraphRunner:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm-up: lazy inits and autotuning happen outside
-                        self._static_forward(spec, positions, attn)
+                        self.static_forward(spec, positions, attn)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    out = self._static_forward(spec, positions, attn)
+                    out = self.static_forward(spec, positions, attn)
                 self._graphs[spec] = (graph, out)
             except Exception:
                 log.exception("CUDA graph capture failed for %s; it runs eager", spec.bucket)
@@ -296,7 +297,7 @@ class CudaGraphRunner:
         captured = self._graphs.get(lease)
         if captured is None:
             self.eager_runs += 1
-            logits = self._static_forward(lease, positions, attn)
+            logits = self.static_forward(lease, positions, attn)
         else:
             graph, logits = captured
             graph.replay()
