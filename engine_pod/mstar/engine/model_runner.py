@@ -92,7 +92,10 @@ class ModelRunner:
             log.info("CUDA graphs off (%s): every step runs eager", why)
             return why
         graphs = CudaGraphRunner(self.decoder, sizes, self.device, capture=capture)
+        # Static buffers are ordinary tensors (made outside inference mode), so any later
+        # in-place write to them is legal whatever mode it runs in.
         self.runner.build_cuda_graph_buffers(graphs.specs(), graphs.max_bs, max_seq_len)
+        graphs.build_buffers()
         with torch.inference_mode():
             graphs.capture(self._plan_padding_step)
         self.graphs = graphs
