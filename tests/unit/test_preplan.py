@@ -7,9 +7,12 @@ from collections.abc import Sequence
 
 import torch
 
+from mstar.engine.request import Request
+from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
 from mstar.engine.resources.base import Resource
+from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
 from mstar.engine.resources.runner import StepRunner
-from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
+from mstar.engine.resources.sampling import SampleOutput, SamplerRequestConfig, SamplerResource
 from mstar.engine.resources.step import (
     BucketKey,
     ResourceStep,
@@ -19,6 +22,7 @@ from mstar.engine.resources.step import (
     SubmoduleStep,
 )
 from mstar.engine.sampling_params import SamplingParams
+from mstar.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 
 SEEDED = SamplingParams(temperature=0.9, seed=11)
 
@@ -135,3 +139,34 @@ def test_runner_promotes_when_the_real_step_matches() -> None:
     runner.admit(real)
     runner.plan(real)
     assert staging.cleared == 0 and sampler.promotions == 1
+
+
+def test_scheduler_predicts_only_a_batched_decode_and_predicts_it_exactly() -> None:
+    kv = KVCacheResource(
+        KVConfig(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=32, page_size=4)
+    )
+    resources = {KV: kv, ATTN: Resource(), ROPE: Resource(), SAMPLER: SamplerResource(200)}
+    sched = Scheduler(StepRunner(resources), kv, SchedulerConfig(8, 64, hold_seconds=0.0))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i, n in enumerate((3, 6)):
+        req = Request(f"r{i}", [10 * i + j for j in range(n)], params, float(i))
+        req.overrides = {KV: KVRequestConfig(req.token_view)}
+        sched.add(req)
+
+    def run(batch):  # type: ignore[no-untyped-def]
+        n = len(batch.sample_rows)
+        sched.update(batch, StepResult(SampleOutput([7] * n, None, torch.full((n,), 7))))
+
+    prefill = sched.schedule()
+    assert prefill is not None and sched.predict_next(prefill) is None  # prefill: no guess
+    run(prefill)
+    decode = sched.schedule()
+    assert decode is not None
+    guess = sched.predict_next(decode)
+    assert guess is not None
+    run(decode)
+    real = sched.schedule()
+    assert real is not None
+    assert [s for s in guess.segments or ()] == [s for s in real.step.segments or ()]
+    assert guess.steps[SAMPLER].segments == real.step.steps[SAMPLER].segments
+    assert list(guess.ctx.request_ids) == list(real.step.ctx.request_ids)
