@@ -28,3 +28,14 @@ def test_invalid_flag_value_names_the_flag(capsys: pytest.CaptureFixture[str]) -
         main(["serve", "--page-size", "0"])
     assert exit_info.value.code == 2
     assert "--page-size" in capsys.readouterr().err
+
+
+def test_unavailable_attention_backend_refuses_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Checked before the weights load: the (missing) model is never reached.
+    argv = ["serve", str(tmp_path), "--device", "cpu", "--attention-backend", "flashinfer"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--attention-backend flashinfer needs a CUDA device" in err
+    assert "cannot load the model" not in err

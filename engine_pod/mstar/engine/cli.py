@@ -71,11 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     from mstar.engine.engine import LLMEngine
     from mstar.engine.model.config import ModelLoadError
     from mstar.engine.server.app import build_app, serve
+    from mstar.kernels import BackendUnavailable
 
     try:
         engine = LLMEngine.from_config(config)
     except ModelLoadError as exc:
         print(f"mstar-engine: error: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    except BackendUnavailable as exc:
+        print(f"mstar-engine: error: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(engine, api_key=api_key, max_waiting_requests=config.max_waiting_requests)

@@ -16,6 +16,7 @@ from typing import Any
 EVICTION_POLICIES = ("lru", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -52,14 +53,36 @@ class EngineConfig:
     max_model_len: int | None = field(
         default=None, metadata=_flag("Longest prompt + output (default: the model's).")
     )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_flag(
+            "Paged attention kernels. flashinfer: FlashInfer's batch prefill/decode wrappers "
+            "(CUDA, bfloat16/float16 only; the engine refuses to start if it is unavailable); "
+            "torch: batched PyTorch SDPA (any device and dtype); auto: flashinfer on CUDA when "
+            "importable and the dtype allows, else torch, and the choice is logged.",
+            choices=ATTENTION_BACKENDS,
+        ),
+    )
     cuda_graph_batch_sizes: list[int] = field(
         default_factory=lambda: list(DEFAULT_CUDA_GRAPH_BATCH_SIZES),
         metadata=_flag(
-            "Decode batch sizes to capture as CUDA graphs (reserved: the engine runs eager today)."
+            "Decode batch sizes captured as CUDA graphs at startup (CUDA + flashinfer backend "
+            "only; two graphs per size). An all-decode step of n rows replays the smallest "
+            "size >= n, its padding rows writing only the KV sink page; prefill or mixed steps "
+            "and steps above the largest size run eager."
         ),
     )
     enforce_eager: bool = field(
-        default=False, metadata=_flag("Never capture CUDA graphs (today every step is eager).")
+        default=False,
+        metadata=_flag("Capture no CUDA graphs: every step runs eager (graphs are CUDA-only)."),
+    )
+    enable_preplan: bool = field(
+        default=True,
+        metadata=_flag(
+            "Plan step N+1's pre-planning resources (the sampler's row gather today) while step "
+            "N's forward runs, promoted when the next step matches; greedy output is the same "
+            "either way."
+        ),
     )
     eviction_policy: str = field(
         default="lru", metadata=_flag("Victim choice on KV shortage.", choices=EVICTION_POLICIES)
@@ -105,6 +128,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("device", DEVICES),
             ("eviction_policy", EVICTION_POLICIES),
+            ("attention_backend", ATTENTION_BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_dash(name)} must be one of {', '.join(allowed)}")

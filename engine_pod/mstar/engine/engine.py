@@ -32,7 +32,7 @@ from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
-from mstar.kernels import select_attention_backend
+from mstar.kernels import resolve_attention_backend, select_attention_backend
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
@@ -93,10 +93,11 @@ class LLMEngine:
         sampler = SamplerResource(model_config.vocab_size, device=device, seed=config.seed)
         attention = AttentionResource(
             self.kv.cache,
-            select_attention_backend(device),
+            select_attention_backend(device, config.attention_backend, dtype),
             num_qo_heads=model_config.num_heads,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
+            sink_page=self.kv.arena.sink_page,
         )
         self.runner = StepRunner(
             {
@@ -117,13 +118,22 @@ class LLMEngine:
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
             ),
         )
-        self.model_runner = ModelRunner(decoder, self.runner, sampler, device)
+        self.model_runner = ModelRunner(
+            decoder, self.runner, sampler, device, preplan=config.enable_preplan
+        )
+        self.scheduler.make_context = self.model_runner.step_context
+        self.model_runner.predict_next = self.scheduler.predict_next
+        self.model_runner.setup_graphs(
+            config.cuda_graph_batch_sizes, config.enforce_eager, self.max_model_len
+        )
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         device = _pick_device(config.device)
         dtype = _pick_dtype(config.dtype, device)
+        # Refuse an unavailable attention backend before spending time on the weights.
+        resolve_attention_backend(config.attention_backend, device, dtype)
         path = config.model or str(default_model_path())
         decoder, model_config, tokenizer = load_model(path, dtype=dtype, device=device)
         bytes_per_page = (

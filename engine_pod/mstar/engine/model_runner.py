@@ -5,20 +5,47 @@ The scheduler decides *what* runs; the model runner only executes it: plan every
 run the forward over the flat mixed prefill/decode batch, and sample the rows that end their
 known tokens. It never commits: `Scheduler.update` does, so a failed step leaves every
 resource exactly where admission left it (the scheduler aborts the step).
+
+Two GPU features hang off it, both optional and both off the CPU default path:
+
+- **CUDA graphs** (`setup_graphs`, machinery in `cuda_graphs`): a batched-decode step leased to
+  a bucket replays that (bucket, slot)'s graph; every other step runs eager.
+- **Pre-planning**: while step N's forward runs (asynchronously on CUDA), the resources that
+  pre-plan stage step N+1's plan for the rows the scheduler predicts will run next
+  (`Scheduler.predict_next`); the next real step promotes it when it matches, and the
+  `StepRunner` clears every resource's stage when it does not.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from mstar.engine.cuda_graphs import (
+    DECODE_WALK,
+    NUM_SLOTS,
+    CudaGraphRunner,
+    SlotRotation,
+    graphs_off_reason,
+    pad_ids,
+)
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.outputs import ErrorKind, RequestError
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
+from mstar.engine.resources.kv.plan import build_plan
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SampleOutput, SamplerResource
+from mstar.engine.resources.step import (
+    ResourceStep,
+    SlotLease,
+    StepContext,
+    SubmoduleStep,
+)
 from mstar.engine.scheduler import ScheduledBatch, StepResult
+from mstar.kernels import FlashInferPagedAttention
 
 log = logging.getLogger(__name__)
 
@@ -30,34 +57,123 @@ class ModelRunner:
         runner: StepRunner,
         sampler: SamplerResource,
         device: torch.device,
+        *,
+        preplan: bool = False,
     ) -> None:
         self.decoder = decoder
         self.runner = runner
         self.sampler = sampler
         self.device = device
+        self.preplan = preplan and bool(runner.preplan_order)
+        self.rotation = SlotRotation(NUM_SLOTS)
+        self.graphs: CudaGraphRunner | None = None
+        #: The scheduler's guess at the next step (set by the engine); None disables pre-plan.
+        self.predict_next: Callable[[ScheduledBatch], SubmoduleStep | None] | None = None
+        self.preplans = 0
 
+    # -- setup -----------------------------------------------------------------------------------
+    def setup_graphs(
+        self, sizes: Sequence[int], enforce_eager: bool, max_seq_len: int, *, capture: bool = True
+    ) -> str | None:
+        """Capture decode graphs when this device and backend allow; the reason when not.
+
+        ``capture=False`` (tests) builds the same buckets, slots and padded static buffers but
+        runs them eagerly instead of recording graphs.
+        """
+        backend = getattr(self.runner.resources[ATTN], "backend", None)
+        why = graphs_off_reason(
+            enforce_eager=enforce_eager,
+            sizes=sizes,
+            cuda=self.device.type == "cuda",
+            flashinfer=isinstance(backend, FlashInferPagedAttention),
+            capture=capture,
+        )
+        if why is not None:
+            log.info("CUDA graphs off (%s): every step runs eager", why)
+            return why
+        graphs = CudaGraphRunner(self.decoder, sizes, self.device, capture=capture)
+        # Static buffers are ordinary tensors (made outside inference mode), so any later
+        # in-place write to them is legal whatever mode it runs in.
+        self.runner.build_cuda_graph_buffers(graphs.specs(), graphs.max_bs, max_seq_len)
+        graphs.build_buffers()
+        with torch.inference_mode():
+            graphs.capture(self._plan_padding_step)
+        self.graphs = graphs
+        return None
+
+    def _plan_padding_step(self, lease: SlotLease) -> tuple[torch.Tensor, Any]:
+        """Plan positions and attention for a step whose every row is padding (capture)."""
+        kv = self.runner.resources[KV]
+        empty = build_plan((), {}, kv.page_size, self.device)  # type: ignore[attr-defined]
+        ctx = StepContext([], DECODE_WALK, lease.slot, True, slot_lease=lease)
+        ctx.plan_results[KV] = empty
+        positions = self.runner.resources[ROPE].plan(ResourceStep(), ctx)
+        attn = self.runner.resources[ATTN].plan(ResourceStep(), ctx)
+        return positions, attn
+
+    @property
+    def leasing(self) -> bool:
+        return self.graphs is not None or self.preplan
+
+    def step_context(self, request_ids: list[str], batched_decode: bool) -> StepContext:
+        """The context the scheduler declares a step with: a slot lease when graphs or
+        pre-planning are on (the bucket only for a batched-decode step that fits one)."""
+        if not self.leasing:
+            return StepContext(request_ids, DECODE_WALK, 0, False)
+        slot = self.rotation.peek()
+        bucket = None
+        if self.graphs is not None:
+            bucket = self.graphs.bucket_for(len(request_ids), batched_decode)
+        ctx = StepContext(request_ids, DECODE_WALK, slot, False, slot_lease=SlotLease(slot, bucket))
+        if bucket is not None:
+            ctx.set_padded_rids(pad_ids(slot, request_ids, bucket.bs))
+        return ctx
+
+    # -- per step --------------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one admitted step; an exception becomes a typed internal error for its rows."""
         try:
             return StepResult(self._forward(batch))
         except Exception:
             log.exception("step failed; its requests are failed")
+            self.runner.clear_preplan()
             return StepResult(
                 None, RequestError(ErrorKind.INTERNAL, "internal error while running the model")
             )
 
     def _forward(self, batch: ScheduledBatch) -> SampleOutput | None:
         plans = self.runner.plan(batch.step)
+        lease = batch.step.ctx.slot_lease
+        if lease is not None:
+            self.rotation.take(lease.slot)
         tokens: list[int] = []
         for r in batch.rows:
             tokens.extend(r.request.tokens_to_compute(r.num_tokens))
         input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
-        ends = plans[KV].qo_indptr[1:].tolist()
-        logits_indices = torch.tensor([ends[i] - 1 for i in batch.sample_rows], dtype=torch.long)
         with torch.inference_mode():
-            logits = self.decoder(
-                input_ids, plans[ROPE], plans[ATTN], logits_indices.to(self.device)
-            )
+            if lease is not None and lease.bucket is not None and self.graphs is not None:
+                logits = self.graphs.run(lease, input_ids, plans[ROPE], plans[ATTN])
+            else:
+                ends = plans[KV].qo_indptr[1:].tolist()
+                index = torch.tensor([ends[i] - 1 for i in batch.sample_rows], dtype=torch.long)
+                logits = self.decoder(
+                    input_ids, plans[ROPE], plans[ATTN], index.to(self.device, non_blocking=True)
+                )
+            # The forward is queued on the device: plan the next step meanwhile.
+            self._preplan_next(batch)
             if not batch.sample_rows:
                 return None
             return self.sampler.sample(plans[SAMPLER], logits)
+
+    def _preplan_next(self, batch: ScheduledBatch) -> None:
+        if not self.preplan or self.predict_next is None:
+            return
+        nxt = self.predict_next(batch)
+        if nxt is None:
+            return
+        nxt.ctx.is_preplan = True
+        if self.runner.pre_admit(nxt).ok:
+            self.runner.pre_plan(nxt)
+            self.preplans += 1
+        else:
+            self.runner.clear_preplan()

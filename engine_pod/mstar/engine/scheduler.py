@@ -102,6 +102,10 @@ class StepResult:
     error: RequestError | None = None
 
 
+def _eager_context(request_ids: list[str], batched_decode: bool) -> StepContext:
+    return StepContext(request_ids, "llm", 0, False)
+
+
 class Scheduler:
     """Queues of waiting, running and offloaded requests; admission, eviction and reload."""
 
@@ -122,6 +126,9 @@ class Scheduler:
         self._priority: Callable[[Request, str], float] | None = (
             self._offload_priority if config.eviction_policy == "priority" else None
         )
+        #: Builds a step's context from its request ids and whether it is a batched decode
+        #: (every row one token, every row sampling); the model runner's adds a slot lease.
+        self.make_context: Callable[[list[str], bool], StepContext] = _eager_context
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.offloaded)
@@ -227,8 +234,20 @@ class Scheduler:
         if sample_rows:
             steps[SAMPLER] = ResourceStep(tuple(segments[i] for i in sample_rows))
         step = SubmoduleStep(steps, segments)
-        step.set_ctx(StepContext([s.request_id for s in segments], "llm", 0, False))
+        batched_decode = len(sample_rows) == len(rows) and all(r.num_tokens == 1 for r in rows)
+        step.set_ctx(self.make_context([s.request_id for s in segments], batched_decode))
         return step, sample_rows
+
+    def predict_next(self, batch: ScheduledBatch) -> SubmoduleStep | None:
+        """The step after `batch` if nothing changes: its rows decoding one more token each.
+
+        Only a batched decode is predicted (a prefill's next chunk depends on the budget). It
+        is a guess to pre-plan against; a real step that differs clears the stage.
+        """
+        rows = batch.rows
+        if len(batch.sample_rows) != len(rows) or any(r.num_tokens != 1 for r in rows):
+            return None
+        return self._declare([ScheduledRow(r.request, 1) for r in rows])[0]
 
     # -- refusals ----------------------------------------------------------------------------------
     def _answer(

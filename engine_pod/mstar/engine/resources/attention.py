@@ -3,19 +3,34 @@
 The backend (`mstar.kernels`: batched torch on CPU, FlashInfer on CUDA) is planned once per
 step; every layer then only scatters its new K/V into the paged cache and runs the planned
 kernel. The plan result is the `AttentionContext` the decoder calls per layer.
+
+Under a slot lease with a CUDA-graph bucket the step is planned into that (bucket, slot)'s own
+backend and the slot's static write-slot buffer instead, padded to the bucket with rows on the
+KV sink page (`pad_decode_layout`): the addresses the captured graph recorded stay the same, and
+the other slot's buffers (the step in flight) are never written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from mstar.engine.cuda_graphs import GrowOnlyBuffers, pad_decode_layout
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlan
-from mstar.engine.resources.step import ResourceStep, StepContext
-from mstar.kernels import write_kv
+from mstar.engine.resources.step import ResourceStep, SlotLease, StepContext
+from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention, write_kv
+
+
+def graph_backend(backend: Any, batch_size: int, max_pages: int) -> Any:
+    """A backend for one (bucket, slot): FlashInfer's CUDA-graph decode wrapper over fixed
+    buffers, or (CPU, torch) a backend of its own that the padded eager path plans into."""
+    if isinstance(backend, FlashInferPagedAttention):
+        return backend.graph_decode(batch_size, max_pages)
+    return TorchPagedAttention(backend.device)
 
 
 class PagedAttentionContext:
@@ -49,6 +64,7 @@ class AttentionResource(Resource):
         num_kv_heads: int,
         head_dim: int,
         kv_key: str = "kv",
+        sink_page: int | None = None,
     ) -> None:
         self.cache = cache
         self.backend = backend
@@ -56,21 +72,63 @@ class AttentionResource(Resource):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.kv_key = kv_key
+        self.sink_page = sink_page
+        self._graph_backends: dict[SlotLease, Any] = {}
+        self._slot_buffers: dict[int, GrowOnlyBuffers] = {}
 
     def depends_on(self) -> set[str]:
         return {self.kv_key}
 
+    def build_cuda_graph_buffers(
+        self, slots: Sequence[SlotLease], max_bs: int, max_seq_len: int
+    ) -> None:
+        """A backend per (bucket, slot) and a write-slot buffer per slot; existing ones stay."""
+        if self.sink_page is None:
+            raise RuntimeError("CUDA-graph padding needs the KV cache's sink page")
+        pages_per_row = -(-max_seq_len // self.cache.page_size)
+        for spec in slots:
+            bufs = self._slot_buffers.setdefault(spec.slot, GrowOnlyBuffers(self.cache.device))
+            bufs.ensure("write_slots", max_bs, torch.int64)
+            if spec not in self._graph_backends and spec.bucket is not None:
+                bs = spec.bucket.bs
+                self._graph_backends[spec] = graph_backend(self.backend, bs, bs * pages_per_row)
+
     def plan(self, step: ResourceStep, ctx: StepContext) -> PagedAttentionContext:
         kv: KVPlan = ctx.plan_results[self.kv_key]
-        self.backend.plan(
-            kv.qo_indptr,
-            kv.kv_indptr,
-            kv.kv_indices,
-            kv.kv_last_page_len,
+        lease = ctx.slot_lease
+        if lease is not None and lease.bucket is not None:
+            return self._plan_graph(kv, lease)
+        self._plan(self.backend, kv.qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len)
+        return PagedAttentionContext(self.cache, self.backend, kv.write_slots)
+
+    def _plan_graph(self, kv: KVPlan, lease: SlotLease) -> PagedAttentionContext:
+        assert lease.bucket is not None and self.sink_page is not None
+        backend = self._graph_backends.get(lease)
+        if backend is None:
+            raise RuntimeError(f"no CUDA-graph buffers were built for {lease}")
+        bs = lease.bucket.bs
+        lay = pad_decode_layout(kv, bs, self.sink_page)
+        self._plan(backend, lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len)
+        slots = self._slot_buffers[lease.slot].get("write_slots", bs)
+        slots.copy_(lay.write_slots, non_blocking=True)
+        return PagedAttentionContext(self.cache, backend, slots)
+
+    def _plan(
+        self,
+        backend: Any,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+    ) -> None:
+        backend.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
             num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            page_size=kv.page_size,
+            page_size=self.cache.page_size,
             causal=True,
         )
-        return PagedAttentionContext(self.cache, self.backend, kv.write_slots)

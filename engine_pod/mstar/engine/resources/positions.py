@@ -3,15 +3,21 @@
 Each segment's tokens continue its stream, so token j of row i sits at ``prefix_lens[i] + j``.
 The decode fast path (one token per row) is the prefix lengths themselves; mixed batches are one
 vectorised expression, never a per-request loop.
+
+Under a slot lease with a CUDA-graph bucket the positions go into that slot's static buffer,
+padded with position 0 to the bucket's batch size: the address the graph recorded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from mstar.engine.cuda_graphs import GrowOnlyBuffers, pad_positions
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.kv.plan import KVPlan
-from mstar.engine.resources.step import ResourceStep, StepContext
+from mstar.engine.resources.step import ResourceStep, SlotLease, StepContext
 
 
 class PositionsResource(Resource):
@@ -20,12 +26,26 @@ class PositionsResource(Resource):
     def __init__(self, device: torch.device | str = "cpu", kv_key: str = "kv") -> None:
         self.device = torch.device(device)
         self.kv_key = kv_key
+        self._slot_buffers: dict[int, GrowOnlyBuffers] = {}
 
     def depends_on(self) -> set[str]:
         return {self.kv_key}
 
+    def build_cuda_graph_buffers(
+        self, slots: Sequence[SlotLease], max_bs: int, max_seq_len: int
+    ) -> None:
+        for spec in slots:
+            bufs = self._slot_buffers.setdefault(spec.slot, GrowOnlyBuffers(self.device))
+            bufs.ensure("positions", max_bs, torch.int64)
+
     def plan(self, step: ResourceStep, ctx: StepContext) -> torch.Tensor:
         kv: KVPlan = ctx.plan_results[self.kv_key]
+        lease = ctx.slot_lease
+        if lease is not None and lease.bucket is not None:
+            bs = lease.bucket.bs
+            static = self._slot_buffers[lease.slot].get("positions", bs)
+            static.copy_(pad_positions(kv.prefix_lens, bs), non_blocking=True)
+            return static
         prefix = kv.prefix_lens.to(torch.int64)
         if kv.is_decode:
             positions = prefix

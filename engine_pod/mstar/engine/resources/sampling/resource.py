@@ -81,6 +81,8 @@ class SamplerPlan:
     any_random: bool
     #: (batch row, k) for rows asking for logprobs.
     logprob_rows: tuple[tuple[int, int], ...]
+    #: `seeded_rows` on the host: `plan` derives `seeded_keys` from them at every step.
+    seeded_index: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -101,8 +103,15 @@ class SampleOutput:
     token_tensor: torch.Tensor
 
 
+#: (stage key, the request objects gathered, the gathered plan)
+_Stage = tuple[tuple[object, ...], tuple[tuple[str, _Request], ...], SamplerPlan]
+
+
 class SamplerResource(Resource):
     """Sampling parameters and state per request; runner key "sampler", no dependencies."""
+
+    #: Pre-plans the row gather of the next step; `plan` promotes it when the step matches.
+    supports_preplan = True
 
     def __init__(
         self,
@@ -128,6 +137,9 @@ class SamplerResource(Resource):
         self._work = torch.empty((0, vocab_size), dtype=torch.float32, device=self.device)
         self._noise = torch.empty((0, vocab_size), dtype=torch.float32, device=self.device)
         self._pending: tuple[SamplerPlan, torch.Tensor] | None = None
+        self._staged: _Stage | None = None
+        #: Steps whose plan was a promoted pre-plan (tests and the GPU report read it).
+        self.promotions = 0
 
     # -- per request ---------------------------------------------------------------------------
     def ingest_request(self, request_id: str, overrides: object | None = None) -> None:
@@ -229,8 +241,52 @@ class SamplerResource(Resource):
 
     # -- per step ------------------------------------------------------------------------------
     def plan(self, step: ResourceStep, ctx: StepContext) -> SamplerPlan:
-        """Gather each row's parameters once; rows follow `step.segments` (one row each)."""
+        """Gather each row's parameters once; rows follow `step.segments` (one row each).
+
+        A pre-plan staged for exactly these rows and slot is promoted: only the dynamic part
+        (the seeded rows' noise keys, which advance at every commit) is computed here.
+        """
         self._pending = None
+        staged, self._staged = self._staged, None
+        if (
+            staged is not None
+            and staged[0] == self._stage_key(step, ctx)
+            and all(self._reqs.get(req_id) is req for req_id, req in staged[1])
+        ):
+            plan = staged[2]
+            self.promotions += 1
+        else:
+            plan = self._gather(step, ctx)
+        if plan.seeded_rows is not None:
+            keys = []
+            for i in plan.seeded_index:
+                req = self._reqs[plan.request_ids[i]]
+                assert req.seed_base is not None
+                keys.append(ops.row_key(req.seed_base, req.num_output))
+            plan.seeded_keys = torch.tensor(keys, dtype=torch.int64, device=self.device)
+        return plan
+
+    # -- pre-planning (the static row gather, one step ahead) ----------------------------------
+    def pre_plan(self, step: ResourceStep, ctx: StepContext) -> SamplerPlan:
+        """Stage the next step's gather (parameters never change while a request lives)."""
+        plan = self._gather(step, ctx)
+        held = tuple((rid, self._reqs[rid]) for rid in plan.request_ids if rid in self._reqs)
+        self._staged = (self._stage_key(step, ctx), held, plan)
+        return plan
+
+    def clear_preplan(self) -> None:
+        self._staged = None
+
+    @staticmethod
+    def _stage_key(step: ResourceStep, ctx: StepContext) -> tuple[object, ...]:
+        lease = ctx.slot_lease
+        return (
+            tuple(seg.request_id for seg in step.segments or ()),
+            tuple(ctx.request_ids),
+            None if lease is None else lease.slot,
+        )
+
+    def _gather(self, step: ResourceStep, ctx: StepContext) -> SamplerPlan:
         segments = step.segments or ()
         real = set(ctx.request_ids)
         rids = tuple(seg.request_id for seg in segments)
@@ -238,7 +294,6 @@ class SamplerResource(Resource):
         pen_rows: list[int] = []
         commit_rows: list[int] = []
         seeded_rows: list[int] = []
-        seeded_keys: list[int] = []
         logprob_rows: list[tuple[int, int]] = []
         any_bits = 0
         n_greedy = 0
@@ -264,7 +319,6 @@ class SamplerResource(Resource):
                 n_greedy += 1
             elif req.seed_base is not None:
                 seeded_rows.append(i)
-                seeded_keys.append(ops.row_key(req.seed_base, req.num_output))
             else:
                 any_random = True
             if req.top_k > top_k_max:
@@ -298,9 +352,8 @@ class SamplerResource(Resource):
             seeded_rows=torch.tensor(seeded_rows, dtype=torch.int64, device=dev)
             if seeded_rows
             else None,
-            seeded_keys=torch.tensor(seeded_keys, dtype=torch.int64, device=dev)
-            if seeded_rows
-            else None,
+            seeded_keys=None,
+            seeded_index=tuple(seeded_rows),
             any_random=any_random,
             logprob_rows=tuple(logprob_rows),
         )

@@ -1,0 +1,305 @@
+"""CUDA-graph decode: buckets, slot leases, padding rows, static buffers, capture and replay.
+
+An all-decode step of ``n`` rows (one token each, every row sampling) replays the graph of the
+smallest captured batch size ``bs >= n``; anything else (prefill, mixed steps, ``n`` above the
+largest bucket, ``--enforce-eager``, no FlashInfer) runs eager. Each bucket is captured twice,
+once per slot: slots rotate globally, step after step, so the next step's plan writes the other
+slot's buffers while this step's graph reads its own (the slot-keyed buffers are shared across
+buckets, which is why a per-bucket counter would let consecutive steps collide).
+
+Padding: the ``bs - n`` extra rows get ids ``__pad<slot>.<i>`` and a one-token layout over the
+KV sink page (page 0, which the KV cache never hands to a request): they read and write only
+that page, so a padded replay cannot touch a real request's cache.
+
+Everything here but `CudaGraphRunner.capture` is plain tensor bookkeeping and runs on CPU: the
+runner in ``capture=False`` mode executes exactly the padded static-buffer forward a graph
+records, eagerly, which is how CPU tests check padding and sink writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from mstar.engine.resources.kv.plan import KVPlan
+from mstar.engine.resources.step import BucketKey, SlotLease
+
+log = logging.getLogger(__name__)
+
+#: Graph walk of the decoder's decode forward (the only walk this engine captures).
+DECODE_WALK = "llm"
+NUM_SLOTS = 2
+PAD_PREFIX = "__pad"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure decisions
+# ---------------------------------------------------------------------------------------------
+
+
+def choose_bucket(sizes: Sequence[int], num_rows: int) -> int | None:
+    """The smallest captured batch size that holds ``num_rows``; None means eager."""
+    fitting = [bs for bs in sizes if bs >= num_rows]
+    return min(fitting) if fitting and num_rows > 0 else None
+
+
+def decode_bucket(sizes: Sequence[int], num_rows: int, batched_decode: bool) -> BucketKey | None:
+    """The bucket a step replays, or None for the eager fallback (prefill, mixed, too big)."""
+    if not batched_decode:
+        return None
+    bs = choose_bucket(sizes, num_rows)
+    return None if bs is None else BucketKey(DECODE_WALK, bs, bs)
+
+
+def pad_ids(slot: int, request_ids: Sequence[str], bs: int) -> list[str]:
+    """The step's rows under a lease: the real ids, then the slot's dummy ids up to ``bs``."""
+    return [*request_ids, *(f"{PAD_PREFIX}{slot}.{i}" for i in range(len(request_ids), bs))]
+
+
+def graphs_off_reason(
+    *, enforce_eager: bool, sizes: Sequence[int], cuda: bool, flashinfer: bool, capture: bool
+) -> str | None:
+    """Why the engine captures no graphs (every step eager), or None when it captures."""
+    if enforce_eager:
+        return "--enforce-eager"
+    if not sizes:
+        return "no --cuda-graph-batch-sizes"
+    if capture and not cuda:
+        return "not a CUDA device"
+    if capture and not flashinfer:
+        return "the torch attention backend is not graph-capturable"
+    return None
+
+
+class SlotRotation:
+    """Global slot counter: consecutive executed steps never share a slot."""
+
+    def __init__(self, num_slots: int = NUM_SLOTS) -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self.num_slots = num_slots
+        self._next = 0
+
+    def peek(self) -> int:
+        """The slot the next step will use (a pre-plan stages into it)."""
+        return self._next
+
+    def take(self, slot: int) -> None:
+        """Step on ``slot`` is executing: the following step gets the next one."""
+        self._next = (slot + 1) % self.num_slots
+
+
+class PaddedLayout(NamedTuple):
+    """A decode step's CSR arrays padded to ``bs`` rows, pad rows on the sink page."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    write_slots: torch.Tensor  # int64 [bs], on the KV plan's device
+
+
+def pad_decode_layout(plan: KVPlan, bs: int, sink_page: int) -> PaddedLayout:
+    """Append ``bs - n`` one-token rows that read and write only page ``sink_page``, slot 0."""
+    n = len(plan.request_ids)
+    if n > bs:
+        raise ValueError(f"{n} rows do not fit a bucket of {bs}")
+    if n and not plan.is_decode:
+        raise ValueError("only decode steps (one token per row) replay a graph")
+    pad = bs - n
+    i32 = torch.int32
+    qo = torch.arange(bs + 1, dtype=i32)
+    kv_tail = plan.kv_indptr[-1:].to(i32) if n else torch.zeros(1, dtype=i32)
+    kv_indptr = torch.cat([plan.kv_indptr[:-1].to(i32), kv_tail + torch.arange(pad + 1, dtype=i32)])
+    kv_indices = torch.cat([plan.kv_indices.to(i32), torch.full((pad,), sink_page, dtype=i32)])
+    last = torch.cat([plan.kv_last_page_len.to(i32), torch.ones(pad, dtype=i32)])
+    # write_slots stay on the cache's device: no device-to-host copy on the replay path.
+    dev = plan.write_slots.device
+    sink_slot = torch.full((pad,), sink_page * plan.page_size, dtype=torch.int64, device=dev)
+    write_slots = torch.cat([plan.write_slots.to(torch.int64), sink_slot])
+    return PaddedLayout(qo, kv_indptr, kv_indices, last, write_slots)
+
+
+def pad_positions(prefix_lens: torch.Tensor, bs: int) -> torch.Tensor:
+    """Decode positions (each row's prefix length) padded with position 0 up to ``bs``."""
+    pad = torch.zeros(bs - prefix_lens.shape[0], dtype=torch.int64)
+    return torch.cat([prefix_lens.to("cpu", torch.int64), pad])
+
+
+class GrowOnlyBuffers:
+    """Named static tensors that only ever grow, and never once their address was handed out.
+
+    `build_cuda_graph_buffers` may be called once per capturing runner with different sizes: a
+    smaller request keeps the existing tensor, a larger one reallocates. Once `get` has handed a
+    view out (a plan wrote it, a graph may have recorded it) the buffer is pinned: growing it
+    then raises instead of silently leaving a graph reading freed memory.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._pinned: set[str] = set()
+
+    def ensure(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+        have = self._tensors.get(name)
+        if have is not None and have.numel() >= size and have.dtype == dtype:
+            return have
+        if name in self._pinned:
+            raise RuntimeError(
+                f"static buffer {name!r} would grow to {size} after its address was handed out"
+            )
+        grown = torch.zeros(size, dtype=dtype, device=self.device)
+        self._tensors[name] = grown
+        return grown
+
+    def get(self, name: str, size: int) -> torch.Tensor:
+        """The first ``size`` entries (a smaller bucket's view); pins the buffer."""
+        have = self._tensors[name]
+        if have.numel() < size:
+            raise RuntimeError(f"static buffer {name!r} holds {have.numel()}, {size} asked")
+        self._pinned.add(name)
+        return have[:size]
+
+
+def slot_specs(sizes: Iterable[int], num_slots: int) -> list[SlotLease]:
+    """Every (bucket, slot) to capture, largest bucket first (later ones slice its buffers)."""
+    return [
+        SlotLease(slot, BucketKey(DECODE_WALK, bs, bs))
+        for bs in sorted(set(sizes), reverse=True)
+        for slot in range(num_slots)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------------------------
+
+#: plans one (bucket, slot) over an all-padding step: returns (positions, attention context)
+PlanSlot = Callable[[SlotLease], tuple[torch.Tensor, Any]]
+
+
+class CudaGraphRunner:
+    """Picks buckets, and captures/replays the decoder's decode forward per (bucket, slot).
+
+    ``capture=False`` runs the same padded static-buffer forward eagerly (CPU tests, and the
+    per-bucket "graph replay equals eager" check on a GPU compares the two modes).
+    """
+
+    def __init__(
+        self,
+        decoder: Callable[..., torch.Tensor],
+        sizes: Sequence[int],
+        device: torch.device | str,
+        *,
+        capture: bool,
+        num_slots: int = NUM_SLOTS,
+    ) -> None:
+        self.decoder = decoder
+        self.sizes = tuple(sorted(set(sizes)))
+        self.device = torch.device(device)
+        self.capture_enabled = capture
+        self.num_slots = num_slots
+        self.buffers = [GrowOnlyBuffers(device) for _ in range(num_slots)]
+        self._graphs: dict[SlotLease, tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None
+        self.replays = 0
+        self.eager_runs = 0
+
+    @property
+    def max_bs(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+    def specs(self) -> list[SlotLease]:
+        return slot_specs(self.sizes, self.num_slots)
+
+    def bucket_for(self, num_rows: int, batched_decode: bool) -> BucketKey | None:
+        """The captured bucket this step replays; None runs it eager."""
+        return decode_bucket(self.sizes, num_rows, batched_decode)
+
+    # -- buffers ---------------------------------------------------------------------------------
+    def build_buffers(self) -> None:
+        for bufs in self.buffers:
+            bufs.ensure("input_ids", self.max_bs, torch.int64)
+            bufs.ensure("logits_indices", self.max_bs, torch.int64)
+            bufs.get("logits_indices", self.max_bs).copy_(
+                torch.arange(self.max_bs, dtype=torch.int64)
+            )
+
+    def static_forward(self, lease: SlotLease, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+        """The bucket's forward over the slot's static buffers: what a graph records."""
+        assert lease.bucket is not None
+        bs = lease.bucket.bs
+        bufs = self.buffers[lease.slot]
+        return self.decoder(
+            bufs.get("input_ids", bs), positions, attn, bufs.get("logits_indices", bs)
+        )
+
+    # -- capture ---------------------------------------------------------------------------------
+    def capture(self, plan_slot: PlanSlot) -> None:
+        """Capture every (bucket, slot), largest first, into one memory pool.
+
+        ``plan_slot`` plans the resources for an all-padding step on that slot (every row on the
+        sink page). A bucket whose capture fails is dropped and its steps run eager.
+        """
+        self.build_buffers()
+        if not self.capture_enabled:
+            return
+        self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        failed: set[int] = set()
+        for spec in self.specs():
+            assert spec.bucket is not None
+            if spec.bucket.bs in failed:
+                continue
+            try:
+                positions, attn = plan_slot(spec)
+                self.buffers[spec.slot].get("input_ids", spec.bucket.bs).zero_()
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm-up: lazy inits and autotuning happen outside
+                        self.static_forward(spec, positions, attn)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self.static_forward(spec, positions, attn)
+                self._graphs[spec] = (graph, out)
+            except Exception:
+                log.exception("CUDA graph capture failed for %s; it runs eager", spec.bucket)
+                failed.add(spec.bucket.bs)
+        if failed:
+            self._graphs = {s: g for s, g in self._graphs.items() if s.bucket.bs not in failed}  # type: ignore[union-attr]
+            self.sizes = tuple(bs for bs in self.sizes if bs not in failed)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d CUDA graphs for decode batch sizes %s", len(self._graphs), self.sizes)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    # -- replay ----------------------------------------------------------------------------------
+    def run(
+        self, lease: SlotLease, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any
+    ) -> torch.Tensor:
+        """Logits [n, vocab] of the step's real rows, from the slot's graph (or its eager twin).
+
+        The resources already planned into the slot's static buffers (positions, write slots,
+        the wrapper's indices); this stages the input ids, pad rows reading token 0.
+        """
+        assert lease.bucket is not None
+        bs = lease.bucket.bs
+        n = input_ids.shape[0]
+        ids = self.buffers[lease.slot].get("input_ids", bs)
+        ids[n:].zero_()
+        ids[:n].copy_(input_ids, non_blocking=True)
+        captured = self._graphs.get(lease)
+        if captured is None:
+            self.eager_runs += 1
+            logits = self.static_forward(lease, positions, attn)
+        else:
+            graph, logits = captured
+            graph.replay()
+            self.replays += 1
+        return logits[:n]
