@@ -186,8 +186,8 @@ def test_reloads_are_fcfs_and_come_before_new_admissions() -> None:
     step(sched)
     for req in (x, y):  # evict both, oldest first in the queue
         assert sched.runner.offload(req.request_id) > 0
-    step(sched)  # their admits meet offloaded streams: both parked as offloaded
     sched.kv.wait_copies()
+    step(sched)  # their admits meet offloaded streams: both parked as offloaded
     assert x.status is y.status is RequestStatus.OFFLOADED
     assert [q.request_id for q in sched.offloaded] == ["x", "y"]
     z = add(sched, "z", 8, max_tokens=2)
@@ -233,8 +233,8 @@ def test_abort_in_every_state_frees_every_page(state: str) -> None:
         step(sched)
     if state == "offloaded":
         assert sched.runner.offload("a") > 0
-        step(sched)
         sched.kv.wait_copies()
+        step(sched)
         assert sched.kv.num_host_pages_used > 0
     assert a.status is RequestStatus(state)
     sched.abort("a")
