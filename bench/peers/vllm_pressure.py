@@ -3,7 +3,8 @@
     python vllm_pressure.py WORKLOAD.json RESULT.json
 
 WORKLOAD.json: {"model", "dtype", "block_size", "num_blocks", "max_num_seqs",
-"max_num_batched_tokens", "repeat", "requests": [{"prompt_token_ids", "max_tokens"}]}.
+"max_num_batched_tokens", "max_model_len", "repeat",
+"requests": [{"prompt_token_ids", "max_tokens"}]}.
 The KV pool is fixed with `num_gpu_blocks_override` (vLLM's own knob for the block count; on
 CPU it sizes the CPU cache too). Prefix caching is off, as on the mstar side. Every request is
 added at once through `LLMEngine.add_request`, then `step()` runs until all finish; each
@@ -31,6 +32,7 @@ def main() -> None:
         num_gpu_blocks_override=workload["num_blocks"],
         max_num_seqs=workload["max_num_seqs"],
         max_num_batched_tokens=workload["max_num_batched_tokens"],
+        max_model_len=workload["max_model_len"],
         enable_prefix_caching=False,
         disable_log_stats=False,
         seed=0,
