@@ -132,20 +132,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
         rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionContext,
     ) -> torch.Tensor:
+        """``cos_sin``: `RotaryEmbedding.lookup` at this step's positions (shared by all layers)."""
         t = hidden.shape[0]
         residual = hidden
         h = self.input_layernorm(hidden)
         qkv = self.qkv_proj(h)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        # Q and K sit side by side in each row, so one rotation covers both.
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        rope.rotate_(qk, *cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        rope.apply_(q, positions)
-        rope.apply_(k, positions)
         o = attn.attend(self.layer_idx, q, k, v)
         h = residual + self.o_proj(o.reshape(t, self.q_size))
         residual = h
@@ -224,8 +225,9 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Run tokens [T] at ``positions`` [T]; logits [n, vocab] for ``logits_indices`` [n]."""
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rope.lookup(positions)
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rope, attn)
+            hidden = layer(hidden, self.rope, cos_sin, attn)
         # The norm is row-wise, so normalising only the sampled rows gives the same numbers.
         selected = self.norm(hidden[logits_indices])
         return self.lm_head(selected).float()
