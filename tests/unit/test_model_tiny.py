@@ -20,6 +20,7 @@ from tokenizers import models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mstar.engine.model import ModelConfig, ModelLoadError, load_model
+from mstar.engine.model.decoder import PackedLinear
 
 VOCAB = 128
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -188,15 +189,27 @@ def test_llama3_rope_scaling_is_applied(tmp_path):
     assert plain.rope_scaling is None
 
 
-def test_bfloat16_load_close_to_transformers(tmp_path):
-    hf = make_checkpoint(tmp_path, "llama")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: QKV bias through the packed path
+def test_bfloat16_load_close_to_transformers(tmp_path, family):
+    hf = make_checkpoint(tmp_path, family)
     decoder, cfg, _ = load_model(tmp_path, "bfloat16")
     assert decoder.dtype == torch.bfloat16
+    # On CPU every bf16 projection and the LM head run on oneDNN-prepacked weights.
+    assert isinstance(decoder.layers[0].qkv_proj, PackedLinear)
+    assert isinstance(decoder.lm_head, PackedLinear)
     ids = random.Random(4).choices(range(VOCAB), k=20)
     pool = PagedPool(cfg, num_pages=16, page_size=4, dtype=torch.bfloat16)
     ours = pool.step(decoder, [(0, ids)], all_logits=True)
     hf_bf16 = hf.to(torch.bfloat16)
     torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
+
+
+def test_float32_keeps_plain_linears(tmp_path):
+    """float32 is what the exactness tests pin against transformers: never repacked."""
+    make_checkpoint(tmp_path, "llama")
+    decoder, _, _ = load_model(tmp_path)
+    assert type(decoder.layers[0].qkv_proj) is torch.nn.Linear
+    assert type(decoder.lm_head) is torch.nn.Linear
 
 
 def test_tokenizer_and_chat_template(tmp_path):

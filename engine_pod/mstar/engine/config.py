@@ -35,7 +35,15 @@ class EngineConfig:
     served_model_name: str | None = field(
         default=None, metadata=_flag("Model id reported by /v1/models (default: derived).")
     )
-    dtype: str = field(default="auto", metadata=_flag("Weight and KV dtype.", choices=DTYPES))
+    dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "Weight and KV dtype. auto: bfloat16 on CUDA and on CPUs with native bf16 math "
+            "(AVX512-BF16 or AMX: half the bytes per token, the faster choice); float32 on other "
+            "CPUs, where bf16 matmuls are emulated and slower (1.8x at batch 32 measured).",
+            choices=DTYPES,
+        ),
+    )
     device: str = field(default="auto", metadata=_flag("cuda when available.", choices=DEVICES))
     host: str = field(default="127.0.0.1", metadata=_flag("Address to listen on."))
     port: int = field(default=8000, metadata=_flag("Port to listen on."))

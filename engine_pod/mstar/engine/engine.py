@@ -262,9 +262,19 @@ def _pick_device(name: str) -> torch.device:
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA, and on CPUs with native bf16 math (AVX512-BF16 or AMX), where it
+    halves the bytes each token reads; float32 on other CPUs, where bf16 matmuls are emulated
+    (on a 2-core AVX-512 Xeon without AVX512-BF16: about as fast at batch 1, 1.8x slower at 32).
+    """
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or _cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _cpu_has_bf16() -> bool:
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def _default_num_pages(config: EngineConfig, device: torch.device, bytes_per_page: int) -> int:

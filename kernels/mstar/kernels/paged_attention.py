@@ -8,8 +8,8 @@ per-step work that must not be repeated 30 times.
 
 ``TorchPagedAttention`` is the CPU path. It never loops over requests per layer: ``plan`` builds,
 for at most two groups of sequences (decode rows with one query, and extend rows with several),
-a padded page table and a boolean mask; ``run`` gathers whole pages for the group in one
-``index_select`` and calls ``scaled_dot_product_attention`` once per group.
+a padded page table and a boolean mask; ``run`` gathers the group's K and V rows straight into
+the head-major layout the matmuls read, in one ``index_select``, and attends once per group.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class _Group:
     pages_max: int
     #: additive form of ``mask`` in a reduced-precision dtype, built at that dtype's first use
     bias: torch.Tensor | None = None
+    #: rows of a layer viewed as ``[-1, head_dim]`` for K then V, head-major (see `_kv_rows`)
+    kv_rows: torch.Tensor | None = None
 
 
 def kv_lengths(
@@ -204,22 +206,19 @@ class TorchPagedAttention:
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         out = q.new_empty(q.shape)
-        keys_view = kv_layer[:, 0]  # [P, S, Hkv, D], strided
-        values_view = kv_layer[:, 1]
         hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
         for g in self._groups:
             length = g.pages_max * self._page_size
-            k = keys_view.index_select(0, g.page_table).view(g.batch, length, hkv, d)
-            v = values_view.index_select(0, g.page_table).view(g.batch, length, hkv, d)
+            k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
             qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
             if g.q_max == 1 and q.dtype in _REDUCED:
-                flat = self._decode_reduced(g, qg, k, v)
+                flat = self._decode_reduced(g, qg, k.reshape(-1, length, d), v)
                 out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
                 continue
             o = F.scaled_dot_product_attention(
                 qg.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
+                k,
+                v,
                 attn_mask=g.mask,
                 scale=self._scale,
                 enable_gqa=hq != hkv,
@@ -228,20 +227,56 @@ class TorchPagedAttention:
             out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
         return out
 
+    def _gather(self, g: _Group, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's K and V pages, head-major ``[B, Hkv, L, D]``, in one copy of each row.
+
+        Head-major is the layout both matmuls (and SDPA) want, so gathering straight into it
+        replaces a page gather plus a transposing copy of K and of V in every layer.
+        """
+        hkv, d = self._num_kv_heads, self._head_dim
+        length = g.pages_max * self._page_size
+        if not kv_layer.is_contiguous():  # a strided view: gather pages, then transpose
+            pages = kv_layer.index_select(0, g.page_table)  # [B*P, 2, S, Hkv, D]
+            kv = pages.view(g.batch, length // self._page_size, 2, -1, hkv, d)
+            kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, g.batch, hkv, length, d)
+            return kv[0], kv[1]
+        if g.kv_rows is None:
+            g.kv_rows = _kv_rows(g.page_table.view(g.batch, -1), self._page_size, hkv)
+        kv = kv_layer.view(-1, d).index_select(0, g.kv_rows).view(2, g.batch, hkv, length, d)
+        return kv[0], kv[1]
+
     def _decode_reduced(
         self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """One query per sequence in bf16/fp16: two batched matmuls with a float32 softmax.
 
-        On CPU, SDPA's masked reduced-precision path is 3-10x slower than this for decode
-        (measured at batch 8-32, 64-512 keys, SmolLM2's 9/3 heads); float32 keeps SDPA, whose
-        numerics the exactness tests pin against transformers.
+        ``k`` is ``[B*Hkv, L, D]``, ``v`` ``[B, Hkv, L, D]``, both contiguous. On CPU, SDPA's
+        masked reduced-precision path is 3-10x slower than this for decode (measured at batch
+        8-32, 64-512 keys, SmolLM2's 9/3 heads); float32 keeps SDPA, whose numerics the
+        exactness tests pin against transformers. ``baddbmm`` applies the scale and the mask
+        inside the score matmul.
         """
         hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
+        group = hq // hkv
         if g.bias is None or g.bias.dtype != q.dtype:
             zeros = torch.zeros(g.mask.shape, dtype=q.dtype, device=g.mask.device)
-            g.bias = zeros.masked_fill_(~g.mask, float("-inf")).view(g.batch, 1, 1, -1)
-        qg = q.view(g.batch, hkv, hq // hkv, d)  # one query row: heads grouped by KV head
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).mul_(self._scale).add_(g.bias)
+            bias = zeros.masked_fill_(~g.mask, float("-inf")).view(g.batch, 1, 1, -1)
+            g.bias = bias.expand(g.batch, hkv, group, -1).reshape(g.batch * hkv, group, -1)
+        qg = q.view(g.batch * hkv, group, d)  # one query row: heads grouped by KV head
+        scores = torch.baddbmm(g.bias, qg, k.transpose(1, 2), alpha=self._scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v.transpose(1, 2)).view(g.batch, hq, d)
+        return torch.bmm(probs, v.reshape(g.batch * hkv, -1, d)).view(g.batch, hq, d)
+
+
+def _kv_rows(page_table: torch.Tensor, page_size: int, heads: int) -> torch.Tensor:
+    """Row ids into a ``[pages, 2, S, H, D]`` layer viewed as ``[-1, D]``, ordered [2, B, H, L].
+
+    Key ``l`` of sequence ``b`` lives in page ``page_table[b, l // S]`` at offset ``l % S``.
+    """
+    batch, pages = page_table.shape
+    dev = page_table.device
+    page = page_table.view(1, batch, 1, pages, 1)
+    plane = torch.arange(2, device=dev).view(2, 1, 1, 1, 1)
+    head = torch.arange(heads, device=dev).view(1, 1, heads, 1, 1)
+    offset = torch.arange(page_size, device=dev).view(1, 1, 1, 1, page_size)
+    return (((page * 2 + plane) * page_size + offset) * heads + head).reshape(-1)

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from mstar.engine.model.config import ModelConfig, ModelLoadError
-from mstar.engine.model.decoder import Decoder
+from mstar.engine.model.decoder import Decoder, can_pack, pack_linears_
 from mstar.engine.model.tokenizer import Tokenizer
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -185,4 +185,6 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
     decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
+    if can_pack(torch_dtype, decoder.device):
+        pack_linears_(decoder)
     return decoder, cfg, tokenizer

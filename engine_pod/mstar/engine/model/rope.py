@@ -1,8 +1,8 @@
 """Rotary position embeddings (HF ``rotate_half`` convention) with Llama-3 frequency scaling.
 
 cos/sin are computed once for every position up to ``max_position_embeddings`` so a step only
-gathers rows by position: sequences in a flat batch sit at unrelated positions, so no per-step
-recomputation over a contiguous range would serve them all.
+gathers rows by position (once, in `lookup`, for every layer): sequences in a flat batch sit at
+unrelated positions, so no per-step recomputation over a contiguous range would serve them all.
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ class RotaryEmbedding:
         self.cos = half_cos.to(dtype=dtype, device=device)
         self.sin = half_sin.to(dtype=dtype, device=device)
 
-    def apply_(self, x: torch.Tensor, positions: torch.Tensor) -> None:
-        """Rotate ``x`` [T, H, D] in place by ``positions`` [T] (HF rotate_half layout)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D/2]`` at ``positions`` [T]: gathered once per step for all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate ``x`` [T, H, D] in place by `lookup`'s tables (HF rotate_half layout)."""
         half = self.head_dim // 2
         x1 = x[..., :half]
         x2 = x[..., half:]

