@@ -20,9 +20,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-#: dtypes whose decode attention takes the matmul path (see `_decode_reduced`)
-_REDUCED = (torch.bfloat16, torch.float16)
-
 
 class PagedAttentionBackend(Protocol):
     """What the engine calls: ``plan`` once per step, ``run`` once per layer."""
@@ -211,8 +208,8 @@ class TorchPagedAttention:
             length = g.pages_max * self._page_size
             k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
             qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
-            if g.q_max == 1 and q.dtype in _REDUCED:
-                flat = self._decode_reduced(g, qg, k.reshape(-1, length, d), v)
+            if g.q_max == 1:
+                flat = self._decode_rows(g, qg, k.reshape(-1, length, d), v)
                 out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
                 continue
             o = F.scaled_dot_product_attention(
@@ -245,16 +242,15 @@ class TorchPagedAttention:
         kv = kv_layer.view(-1, d).index_select(0, g.kv_rows).view(2, g.batch, hkv, length, d)
         return kv[0], kv[1]
 
-    def _decode_reduced(
+    def _decode_rows(
         self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """One query per sequence in bf16/fp16: two batched matmuls with a float32 softmax.
+        """One query per sequence: two batched matmuls with a float32 softmax.
 
         ``k`` is ``[B*Hkv, L, D]``, ``v`` ``[B, Hkv, L, D]``, both contiguous. On CPU, SDPA's
-        masked reduced-precision path is 3-10x slower than this for decode (measured at batch
-        8-32, 64-512 keys, SmolLM2's 9/3 heads); float32 keeps SDPA, whose numerics the
-        exactness tests pin against transformers. ``baddbmm`` applies the scale and the mask
-        inside the score matmul.
+        one-query path is far slower than this for decode: bf16/fp16 3-10x (batch 8-32, 64-512
+        keys, SmolLM2's 9/3 heads), float32 ~20x (71 ms vs 3 ms for the score product at batch
+        18 x 512 keys). ``baddbmm`` applies the scale and the mask inside the score matmul.
         """
         hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
         group = hq // hkv
