@@ -17,6 +17,13 @@ from mstar.engine.resources.base import Resource
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SampleOutput, SamplerRequestConfig, SamplerResource
+from mstar.engine.resources.step import (
+    ADMIT_OK,
+    AdmitOutcome,
+    AllocationFailed,
+    ResourceStep,
+    StepContext,
+)
 from mstar.engine.sampling_params import SamplingParams
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 
@@ -244,4 +251,41 @@ def test_abort_in_every_state_frees_every_page(state: str) -> None:
     sched.abort("b")
     step(sched)
     assert b.finished and not sched.requests
+    assert_nothing_held(sched)
+
+
+class _RefuseOnce(Resource):
+    """Answers AllocationFailed for `rid`'s first admit (as a resource short of capacity would)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid, self.left = rid, 1
+
+    def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
+        if self.left and self.rid in ctx.request_ids:
+            self.left -= 1
+            return AdmitOutcome(False, True, AllocationFailed("short", 1, "main", self.rid))
+        return ADMIT_OK
+
+
+def test_a_refused_new_arrival_is_dropped_holding_nothing_and_evicts_nobody() -> None:
+    sched = make(32, host_pages=8)
+    a = add(sched, "a", 8)
+    step(sched)
+    gate = _RefuseOnce("c")
+    sched.runner = StepRunner({**sched.runner.resources, ATTN: gate})
+    shared = list(a.prompt_token_ids)  # c shares a's prefix: it matches pages before admit
+    c = add(sched, "c", 4)
+    c._tokens[:] = [*shared, 1, 2, 3, 4]
+    c.prompt_token_ids = list(c._tokens)
+    ids, outs = step(sched)
+    assert ids == ["a"] and gate.left == 0  # a went on in the same step
+    refused = [e.attributes["reason"] for o in outs if o.request_id == "c" for e in o.events]
+    assert refused == ["AllocationFailed"]
+    assert c.status is RequestStatus.WAITING and sched.kv.pages_held_by("c") == 0
+    assert sched.counters.evictions == 0
+    ids, _ = step(sched)
+    assert "c" in ids and c.num_cached_tokens == 8  # admitted next step, prefix reused
+    for rid in ("a", "c"):
+        sched.abort(rid)
+    step(sched)
     assert_nothing_held(sched)
