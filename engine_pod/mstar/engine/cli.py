@@ -71,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     from mstar.engine.engine import LLMEngine
     from mstar.engine.model.config import ModelLoadError
     from mstar.engine.server.app import build_app, serve
+    from mstar.engine.server.async_engine import EngineThread
     from mstar.kernels import BackendUnavailable
 
+    # Built on the thread that will step it: one OpenMP team, not two, on the CPU's cores.
+    engine_thread = EngineThread()
     try:
-        engine = LLMEngine.from_config(config)
+        engine = engine_thread.call(lambda: LLMEngine.from_config(config))
     except ModelLoadError as exc:
         print(f"mstar-engine: error: cannot load the model: {exc}", file=sys.stderr)
         return 2
@@ -82,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mstar-engine: error: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(engine, api_key=api_key, max_waiting_requests=config.max_waiting_requests)
+    app = build_app(
+        engine,
+        api_key=api_key,
+        max_waiting_requests=config.max_waiting_requests,
+        engine_thread=engine_thread,
+    )
     asyncio.run(serve(app, config.host, config.port, grace_seconds=config.shutdown_grace_seconds))
     return 0
 

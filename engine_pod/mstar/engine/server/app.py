@@ -29,7 +29,13 @@ from mstar.engine.model.tokenizer import IncrementalDetokenizer
 from mstar.engine.outputs import ErrorKind, RequestError, RequestOutput
 from mstar.engine.sampling_params import InvalidParameter
 from mstar.engine.server import sse
-from mstar.engine.server.async_engine import AsyncEngine, EngineDeadError, EngineLike, NewRequest
+from mstar.engine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineLike,
+    EngineThread,
+    NewRequest,
+)
 from mstar.engine.server.generation import ChoiceState, Delta, chat_logprobs, completion_logprobs
 from mstar.engine.server.metrics import ServerMetrics
 from mstar.engine.server.openapi import openapi_document
@@ -704,12 +710,17 @@ def build_app(
     api_key: str | None = None,
     max_waiting_requests: int = 256,
     telemetry: Telemetry | None = None,
+    engine_thread: EngineThread | None = None,
 ) -> web.Application:
-    """The served app; the engine loop starts with the app and stops with it."""
+    """The served app; the engine loop starts with the app and stops with it.
+
+    ``engine_thread``: the thread ``engine`` was built on, so its steps run there too (see
+    `EngineThread`); without one the steps get a thread of their own.
+    """
     metrics_ = ServerMetrics(engine.model_name)
     state = ServerState(
         engine=engine,
-        async_engine=AsyncEngine(engine, observer=metrics_),
+        async_engine=AsyncEngine(engine, observer=metrics_, thread=engine_thread),
         metrics=metrics_,
         telemetry=telemetry if telemetry is not None else Telemetry.from_env(),
         model_name=engine.model_name,

@@ -5,6 +5,11 @@ thread drains it between steps, runs `step()`, and hands each step's outputs bac
 loop in one `call_soon_threadsafe` batch, where each request's sink (an asyncio queue's
 `put_nowait`) receives them. The thread sleeps on a condition variable when there is no work,
 so an idle server costs no CPU, and the event loop never blocks on a forward pass.
+
+That thread is an `EngineThread`, and the server builds the engine on it too: torch's CPU kernels
+run on an OpenMP team owned by the calling thread, so loading on one thread and stepping on
+another leaves two teams fighting for the same cores (SmolLM2 batch-1 decode on 2 cores: 21.6
+tok/s split across threads against 33.4 on one).
 """
 
 from __future__ import annotations
@@ -12,16 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Sink = Callable[[RequestOutput], None]
 #: When the engine has requests but ran nothing (all held, e.g. after an eviction's back-off),
@@ -83,16 +91,63 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (a step raised); nothing more can be served."""
 
 
+class EngineThread:
+    """One daemon thread that runs, in order, whatever touches the model: load, then steps."""
+
+    def __init__(self, name: str = "mstar-engine-loop") -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Queue ``fn`` to run on this thread; its result (or exception) lands in the future."""
+        future: Future[T] = Future()
+
+        def job() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, not lost with the thread
+                future.set_exception(exc)
+
+        self._jobs.put(job)
+        return future
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on this thread and wait for it (e.g. ``LLMEngine.from_config``)."""
+        return self.submit(fn).result()
+
+    def close(self) -> None:
+        """Let the thread exit once the jobs already queued have run."""
+        self._jobs.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+
 class AsyncEngine:
-    def __init__(self, engine: EngineLike, observer: StepObserver | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineLike,
+        observer: StepObserver | None = None,
+        thread: EngineThread | None = None,
+    ) -> None:
+        """``thread``: the `EngineThread` the engine was built on (a new one if None)."""
         self.engine = engine
         self._observer = observer
+        self._home = thread
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort] = []
         self._queued_adds = 0
         self._sinks: dict[str, Sink] = {}
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.stats: Any = engine.stats()
@@ -101,21 +156,25 @@ class AsyncEngine:
     # -- lifecycle (event loop side) ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume outputs."""
+        """Start the step loop on the engine thread; call from the loop that consumes outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="mstar-engine-loop", daemon=True)
-        self._thread.start()
+        if self._home is None:
+            self._home = EngineThread()
+        self._home.submit(self._run)
+        self._home.close()  # the thread ends when the step loop does
+        self._started = True
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._started and self._home is not None:
+            self._home.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        home = self._home
+        return self._started and home is not None and home.is_alive() and self.error is None
 
     def num_waiting(self) -> int:
         """Requests not yet running: the engine's waiting queue plus adds not yet handed over."""
