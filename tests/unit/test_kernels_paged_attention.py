@@ -11,10 +11,12 @@ import random
 
 import pytest
 import torch
+from external_tools import require_tool
 
 from mstar.kernels import (
     FlashInferPagedAttention,
     TorchPagedAttention,
+    cpu_decode,
     flashinfer_available,
     select_attention_backend,
     slot_rows,
@@ -90,11 +92,39 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=[True, False], ids=["decode-kernel", "torch-gather"])
+def decode_kernel(request: pytest.FixtureRequest) -> bool:
+    """Both CPU decode paths: the C++ kernel reading pages in place, and the torch gather."""
+    if request.param:
+        require_tool("g++")
+        require_tool("ninja")
+    return bool(request.param)
+
+
+def test_decode_kernel_builds_here() -> None:
+    """With a compiler on the machine the CPU backend takes the C++ decode kernel."""
+    require_tool("g++")
+    require_tool("ninja")
+    assert cpu_decode.load() is not None
+    assert TorchPagedAttention().uses_decode_kernel
+    assert not TorchPagedAttention(decode_kernel=False).uses_decode_kernel
+
+
+def test_decode_kernel_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    cpu_decode.load.cache_clear()
+    try:
+        assert cpu_decode.load() is None
+        assert not TorchPagedAttention().uses_decode_kernel
+    finally:
+        cpu_decode.load.cache_clear()
+
+
 @pytest.mark.parametrize("page_size,hq,hkv,specs", CASES)
-def test_torch_paged_matches_dense_reference(page_size, hq, hkv, specs):
+def test_torch_paged_matches_dense_reference(page_size, hq, hkv, specs, decode_kernel):
     d = 16
     pool, dense, q, plan = build_case(1, page_size, hq, hkv, d, specs)
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(decode_kernel=decode_kernel)
     backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
     out = backend.run(q, pool)
     assert out.shape == q.shape
@@ -173,11 +203,13 @@ def test_bfloat16_close_to_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reduced_precision_decode_rows_match_reference(dtype: torch.dtype) -> None:
-    """Decode rows in bf16/fp16 take the matmul path; mixed with a prefill row (SDPA path)."""
+def test_reduced_precision_decode_rows_match_reference(
+    dtype: torch.dtype, decode_kernel: bool
+) -> None:
+    """Decode rows in bf16/fp16 (kernel or matmuls) beside a prefill row (SDPA path)."""
     specs = [(9, 1), (16, 1), (33, 1), (1, 1), (12, 5)]
     pool, dense, q, plan = build_case(7, 4, 9, 3, 16, specs, dtype=dtype)
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(decode_kernel=decode_kernel)
     backend.plan(*plan, num_qo_heads=9, num_kv_heads=3, head_dim=16, page_size=4)
     for _ in range(2):  # the cached additive mask is reused by the next layer
         out = backend.run(q, pool)
@@ -188,6 +220,22 @@ def test_reduced_precision_decode_rows_match_reference(dtype: torch.dtype) -> No
                 out[rows].double(), reference(q[rows], k, v), atol=3e-2, rtol=3e-2
             )
             start += q_len
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_real_head_dims(d: int, dtype: torch.dtype, decode_kernel: bool) -> None:
+    """Model-sized heads and long rows over scattered 16-token pages (SmolLM2's 9/3 heads)."""
+    specs = [(1, 1), (16, 1), (17, 1), (250, 1), (96, 1)]
+    pool, dense, q, plan = build_case(8, 16, 9, 3, d, specs, num_pages=40, dtype=dtype)
+    backend = TorchPagedAttention(decode_kernel=decode_kernel)
+    backend.plan(*plan, num_qo_heads=9, num_kv_heads=3, head_dim=d, page_size=16)
+    out = backend.run(q, pool)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, (k, v) in enumerate(dense):
+        torch.testing.assert_close(
+            out[i : i + 1].double(), reference(q[i : i + 1], k, v), atol=tol, rtol=tol
+        )
 
 
 def test_write_kv_places_rows_at_slots():

@@ -10,15 +10,18 @@ per-step work that must not be repeated 30 times.
 for at most two groups of sequences (decode rows with one query, and extend rows with several),
 a padded page table and a boolean mask; ``run`` gathers the group's K and V rows straight into
 the head-major layout the matmuls read, in one ``index_select``, and attends once per group.
+On CPU the decode group skips the gather: `cpu_decode.paged_decode` reads the pages in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from mstar.kernels import cpu_decode
 
 
 class PagedAttentionBackend(Protocol):
@@ -46,6 +49,7 @@ class _Group:
     """Sequences attended together: padded to ``q_max`` queries and ``pages_max`` pages."""
 
     page_table: torch.Tensor  # int64 [B * pages_max] page ids (padding -> a valid page)
+    kv_lens: torch.Tensor  # int64 [B] keys of each sequence
     mask: torch.Tensor  # bool [B, 1, q_max, pages_max * page_size]
     q_rows: torch.Tensor  # int64 [B * q_max] row of q feeding each padded query slot
     out_src: torch.Tensor  # int64 [n] padded slot of each real query token
@@ -96,8 +100,11 @@ def validate_plan(
 class TorchPagedAttention:
     """Batched paged attention in plain torch (CPU, or any device as a reference)."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, decode_kernel: bool = True) -> None:
+        """``decode_kernel``: use `cpu_decode` for one-query rows on CPU where it builds."""
         self.device = torch.device(device)
+        use = decode_kernel and self.device.type == "cpu"
+        self._kernel = cpu_decode.load() if use else None
         self._groups: list[_Group] = []
         self._num_tokens = 0
         self._num_qo_heads = 0
@@ -105,6 +112,11 @@ class TorchPagedAttention:
         self._head_dim = 0
         self._page_size = 0
         self._scale = 1.0
+
+    @property
+    def uses_decode_kernel(self) -> bool:
+        """True when one-query rows go to the C++ kernel (CPU, built, not switched off)."""
+        return self._kernel is not None
 
     def plan(
         self,
@@ -189,6 +201,7 @@ class TorchPagedAttention:
         dev = self.device
         return _Group(
             page_table=page_table.reshape(-1).to(dev),
+            kv_lens=kv_lens.to(dev),
             mask=mask.unsqueeze(1).to(dev),
             q_rows=q_rows.reshape(-1).to(dev),
             out_src=slot[real].to(dev),
@@ -204,7 +217,14 @@ class TorchPagedAttention:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         out = q.new_empty(q.shape)
         hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
+        kernel = self._decode_kernel_for(q, kv_layer)
         for g in self._groups:
+            if g.q_max == 1 and kernel is not None:
+                qg = q.index_select(0, g.q_rows)  # [B, Hq, D], contiguous
+                page_table = g.page_table.view(g.batch, -1)
+                o = kernel.paged_decode(qg, kv_layer, page_table, g.kv_lens, self._scale)
+                out.index_copy_(0, g.out_dst, o)
+                continue
             length = g.pages_max * self._page_size
             k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
             qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
@@ -223,6 +243,16 @@ class TorchPagedAttention:
             flat = o.transpose(1, 2).reshape(g.batch * g.q_max, hq, d)
             out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
         return out
+
+    def _decode_kernel_for(self, q: torch.Tensor, kv_layer: torch.Tensor) -> Any | None:
+        """The C++ decode kernel if it handles this layer, else None (torch path)."""
+        fits = (
+            q.dtype in cpu_decode.DTYPES
+            and kv_layer.dtype == q.dtype
+            and kv_layer.is_contiguous()
+            and cpu_decode.supports_head_dim(self._head_dim)
+        )
+        return self._kernel if fits else None
 
     def _gather(self, g: _Group, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's K and V pages, head-major ``[B, Hkv, L, D]``, in one copy of each row.
