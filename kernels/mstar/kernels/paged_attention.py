@@ -15,7 +15,7 @@ On CPU the decode group skips the gather: `cpu_decode.paged_decode` reads the pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -57,6 +57,8 @@ class _Group:
     batch: int
     q_max: int
     pages_max: int
+    #: per sequence (first query row, queries, keys), for the extend path's per-row attention
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
     #: additive form of ``mask`` in a reduced-precision dtype, built at that dtype's first use
     bias: torch.Tensor | None = None
     #: rows of a layer viewed as ``[-1, head_dim]`` for K then V, head-major (see `_kv_rows`)
@@ -112,6 +114,7 @@ class TorchPagedAttention:
         self._head_dim = 0
         self._page_size = 0
         self._scale = 1.0
+        self._causal = True
 
     @property
     def uses_decode_kernel(self) -> bool:
@@ -140,6 +143,7 @@ class TorchPagedAttention:
         self._head_dim = head_dim
         self._page_size = page_size
         self._scale = head_dim**-0.5
+        self._causal = causal
         qo = qo_indptr.to(torch.int64).cpu()
         kvp = kv_indptr.to(torch.int64).cpu()
         self._num_tokens = int(qo[-1]) if qo.numel() else 0
@@ -209,6 +213,7 @@ class TorchPagedAttention:
             batch=batch,
             q_max=q_max,
             pages_max=pages_max,
+            spans=list(zip(qo[seqs].tolist(), q_lens.tolist(), kv_lens.tolist(), strict=True)),
         )
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -216,7 +221,7 @@ class TorchPagedAttention:
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         out = q.new_empty(q.shape)
-        hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
+        hq, d = self._num_qo_heads, self._head_dim
         kernel = self._decode_kernel_for(q, kv_layer)
         for g in self._groups:
             if g.q_max == 1 and kernel is not None:
@@ -227,22 +232,40 @@ class TorchPagedAttention:
                 continue
             length = g.pages_max * self._page_size
             k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
-            qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
             if g.q_max == 1:
+                qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
                 flat = self._decode_rows(g, qg, k.reshape(-1, length, d), v)
                 out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
                 continue
-            o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2),
-                k,
-                v,
-                attn_mask=g.mask,
-                scale=self._scale,
-                enable_gqa=hq != hkv,
-            )  # [B, Hq, q_max, D]
-            flat = o.transpose(1, 2).reshape(g.batch * g.q_max, hq, d)
-            out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
+            self._extend_rows(g, q, k, v, out)
         return out
+
+    def _extend_rows(
+        self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Several queries per sequence: SDPA one sequence at a time, over its real keys only.
+
+        A fresh prompt (queries == keys) takes SDPA's ``is_causal`` path with no mask; a chunk
+        after cached keys takes its slice of the planned mask. Measured on CPU (32 prompts of
+        20-200 tokens, SmolLM2's heads): 8.7 ms per layer against 22 ms for one masked SDPA
+        over the batch padded to its longest prompt.
+        """
+        gqa = self._num_qo_heads != self._num_kv_heads
+        for b, (start, n, kv_len) in enumerate(g.spans):
+            # 4-D [1, H, n, D]: with 3-D inputs (or GQA on 3-D) CPU SDPA falls back to its
+            # math path, measured 4-16x slower here than the flash kernel it picks for 4-D.
+            qb = q[start : start + n].transpose(0, 1)[None]
+            kb, vb = k[b : b + 1, :, :kv_len], v[b : b + 1, :, :kv_len]
+            if n == kv_len and self._causal:
+                o = F.scaled_dot_product_attention(
+                    qb, kb, vb, is_causal=True, scale=self._scale, enable_gqa=gqa
+                )
+            else:
+                mask = g.mask[b : b + 1, :, :n, :kv_len]
+                o = F.scaled_dot_product_attention(
+                    qb, kb, vb, attn_mask=mask, scale=self._scale, enable_gqa=gqa
+                )
+            out[start : start + n] = o[0].transpose(0, 1)
 
     def _decode_kernel_for(self, q: torch.Tensor, kv_layer: torch.Tensor) -> Any | None:
         """The C++ decode kernel if it handles this layer, else None (torch path)."""
