@@ -20,7 +20,7 @@ from tokenizers import models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mstar.engine.model import ModelConfig, ModelLoadError, load_model
-from mstar.engine.model.decoder import PackedLinear
+from mstar.engine.model.decoder import FLOAT32_PACKED_MIN_ROWS, PackedLinear
 
 VOCAB = 128
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -204,12 +204,20 @@ def test_bfloat16_load_close_to_transformers(tmp_path, family):
     torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
 
 
-def test_float32_keeps_plain_linears(tmp_path):
-    """float32 is what the exactness tests pin against transformers: never repacked."""
+def test_float32_packs_for_batches_and_keeps_plain_weights_for_few_rows(tmp_path):
+    """float32 layers run MKL's F.linear below FLOAT32_PACKED_MIN_ROWS rows, oneDNN above."""
     make_checkpoint(tmp_path, "llama")
-    decoder, _, _ = load_model(tmp_path)
-    assert type(decoder.layers[0].qkv_proj) is torch.nn.Linear
-    assert type(decoder.lm_head) is torch.nn.Linear
+    decoder, cfg, _ = load_model(tmp_path)
+    layer = decoder.layers[0].qkv_proj
+    assert isinstance(layer, PackedLinear) and isinstance(decoder.lm_head, PackedLinear)
+    assert layer.weight is not None and layer.weight.dtype == torch.float32
+    gen = torch.Generator().manual_seed(0)
+    few = torch.randn(FLOAT32_PACKED_MIN_ROWS - 1, cfg.hidden_size, generator=gen)
+    many = torch.randn(FLOAT32_PACKED_MIN_ROWS * 4, cfg.hidden_size, generator=gen)
+    assert torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight))
+    packed = torch.ops.mkldnn._linear_pointwise(many, layer.packed_weight, None, "none", [], "")
+    assert torch.equal(layer(many), packed)
+    torch.testing.assert_close(layer(many), torch.nn.functional.linear(many, layer.weight))
 
 
 def test_tokenizer_and_chat_template(tmp_path):

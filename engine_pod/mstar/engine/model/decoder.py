@@ -53,24 +53,36 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class PackedLinear(nn.Module):
-    """A CPU bf16 linear whose weight oneDNN reorders once, at load, into its blocked layout.
+#: float32 batches below this many rows keep MKL's ``F.linear``: measured on a 2-core AVX-512
+#: Xeon over SmolLM2's four projections, oneDNN's packed float32 kernel is 1.45x slower at 1-2
+#: rows and 1.35x / 1.27x / 1.14x faster at 8 / 32 / 64 (the LM head: 2.0x faster at 8).
+FLOAT32_PACKED_MIN_ROWS = 8
 
-    ``F.linear`` re-lays the weight out on every call; in bf16 on CPU that made SmolLM2's
-    linears 1.6x slower at one token and 2.2x at 32 (micro-benchmark on a 2-core AVX-512 Xeon).
-    Results are bf16-rounded like ``F.linear``'s, not bit-identical; float32 is never packed,
-    so its token-exactness against transformers is untouched.
+
+class PackedLinear(nn.Module):
+    """A CPU linear whose weight oneDNN reorders once, at load, into its blocked layout.
+
+    ``F.linear`` re-lays a bf16 weight out on every call; that made SmolLM2's bf16 linears 1.6x
+    slower at one token and 2.2x at 32 (micro-benchmark on a 2-core AVX-512 Xeon). In float32,
+    oneDNN wins only from `FLOAT32_PACKED_MIN_ROWS` rows up, so a float32 layer keeps its plain
+    weight too and small batches use it. Packed results are rounded differently from
+    ``F.linear``'s (not bit-identical); the exactness tests against transformers cover both.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        weight = linear.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
+        self.min_rows = FLOAT32_PACKED_MIN_ROWS if weight.dtype == torch.float32 else 0
+        self.weight = linear.weight if self.min_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < self.min_rows and self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.packed_weight, self.bias, "none", [], ""
         )
@@ -78,8 +90,12 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN packing pays for bf16 on CPU (float32 stays on the exact ``F.linear`` path)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN packing pays for bf16 and (from a few rows up) float32 on CPU."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float32)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def pack_linears_(decoder: Decoder) -> None:
