@@ -46,11 +46,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            # One fused pass; bit-identical to the three-step form below in float32 (checked
+            # against transformers by the exactness tests), ~6 elementwise passes fewer.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
 
 
 #: float32 batches below this many rows keep MKL's ``F.linear``: measured on a 2-core AVX-512
@@ -164,11 +167,13 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = attn.attend(self.layer_idx, q, k, v)
-        h = residual + self.o_proj(o.reshape(t, self.q_size))
+        h = self.o_proj(o.reshape(t, self.q_size)).add_(residual)
         residual = h
         x = self.post_attention_layernorm(h)
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        # In place on fresh temporaries: two fewer allocations of [T, inter] per layer.
+        out = self.down_proj(F.silu(gate).mul_(up))
+        return out.add_(residual)
 
 
 class Decoder(nn.Module):
