@@ -77,11 +77,19 @@ def seeded_gumbel(keys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().log_().neg_()
 
 
+#: Largest float32 below 1: CUDA's uniform_ draws from (0, 1], and u == 1 would make +inf noise.
+_BELOW_ONE = 1.0 - 2.0**-24
+
+
 def random_gumbel_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Fill `out` with Gumbel noise from `generator` (an exponential race in log space)."""
-    out.exponential_(generator=generator)
-    # exponential_ may return 0 on some builds; +inf noise on a -inf logit would give NaN.
-    return out.clamp_min_(1e-30).log_().neg_()
+    """Fill `out` with Gumbel noise ``-log(-log u)`` from `generator`'s uniforms.
+
+    Uniforms, not ``exponential_``: on CPU that is ~6x slower (32 x 49152 rows: 34.6 ms against
+    5.5 ms, most of a decode step at batch 32). u == 0 gives -inf noise (that token cannot win);
+    u is kept below 1 so the noise is never +inf, which on a -inf logit would make NaN.
+    """
+    out.uniform_(generator=generator).clamp_(max=_BELOW_ONE)
+    return out.log_().neg_().log_().neg_()
 
 
 def apply_penalties_(
