@@ -7,9 +7,11 @@ so tests talk to it over real HTTP (the official `openai` client, raw aiohttp, P
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,45 @@ class LiveServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{name}{labels} = {value}, expected {target}")
             time.sleep(0.05)
+
+
+class BackgroundLoad:
+    """``workers`` threads each posting completions back to back until the block exits.
+
+    ``body(worker)`` gives each request's JSON body (called per request, so it may vary).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        workers: int,
+        body: Callable[[int], dict[str, Any]],
+        timeout: float = 120.0,
+    ) -> None:
+        self.url = url
+        self.body = body
+        self.timeout = timeout
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)
+        ]
+
+    def _run(self, worker: int) -> None:
+        while not self._stop.is_set():
+            req = urllib.request.Request(
+                self.url + "/v1/completions",
+                json.dumps(self.body(worker)).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                resp.read()
+
+    def __enter__(self) -> BackgroundLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ from crd_schema import admit
 from extension_schemas import install, load, problems
 from external_tools import require_tool
 from kube_emulator import EmulatedCluster
-from live_server import LiveServer, make_engine
+from live_server import BackgroundLoad, LiveServer, make_engine
 from op_harness import CRS, ROOT, Kubectl, Operator, wait_for
 
 from mstar.operator import manifests
@@ -58,41 +56,15 @@ def adapter_query(rule: dict[str, Any], namespace: str, pods: list[str]) -> str:
     return promql
 
 
-class SteadyLoad:
-    """Keeps IN_FLIGHT long completions in flight (each one done is replaced at once)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(IN_FLIGHT)]
-
-    def _run(self) -> None:
-        body = json.dumps(
-            {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
-        ).encode()
-        while not self._stop.is_set():
-            req = urllib.request.Request(
-                self.url + "/v1/completions", body, {"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                resp.read()
-
-    def __enter__(self) -> SteadyLoad:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
+#: Long completions kept in flight: each one done is replaced at once.
+STEADY_BODY = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
 
 
 @pytest.fixture()
 def loaded(tiny_llama_dir: Path) -> Iterator[LiveServer]:
     with (
         LiveServer(make_engine(tiny_llama_dir, max_num_seqs=RUNNING)) as live,
-        SteadyLoad(live.url),
+        BackgroundLoad(live.url, IN_FLIGHT, lambda _: STEADY_BODY),
     ):
         yield live
 

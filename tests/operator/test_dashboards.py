@@ -8,16 +8,14 @@ import json
 import math
 import random
 import re
-import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from external_tools import require_tool
-from live_server import LiveServer, make_engine
+from live_server import BackgroundLoad, LiveServer, make_engine
 from op_harness import ROOT
 
 from tests.prometheus_helper import query, run_prometheus, wait_for_series
@@ -110,42 +108,20 @@ def test_dashboards_use_only_exported_metrics_and_cover_the_brief() -> None:
     assert any("${jaeger_url}/trace/${trace_id}" in t for t in texts), "no Jaeger trace link"
 
 
-class Load:
+def dashboard_load(url: str) -> BackgroundLoad:
     """Streams of completions against the live server until stopped, so every panel has data.
 
     Prompts share a page-aligned prefix (prefix-cache hits) and the pool is tiny, so admission
     refuses, victims are offloaded, reloaded and (host pool full) recomputed all along.
     """
+    rngs = [random.Random(worker) for worker in range(6)]
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(6)
-        ]
+    def body(worker: int) -> dict[str, Any]:
+        rng = rngs[worker]
+        prompt = [20, 21, 22, 23, 24, 25, 26, 27, *(rng.randrange(3, 90) for _ in range(6))]
+        return {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
 
-    def _run(self, worker: int) -> None:
-        rng = random.Random(worker)
-        while not self._stop.is_set():
-            prompt = [20, 21, 22, 23, 24, 25, 26, 27, *(rng.randrange(3, 90) for _ in range(6))]
-            body = json.dumps(
-                {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
-            ).encode()
-            req = urllib.request.Request(
-                self.url + "/v1/completions", body, {"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                resp.read()
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
+    return BackgroundLoad(url, len(rngs), body, timeout=60)
 
 
 @pytest.fixture()
@@ -159,7 +135,7 @@ def metrics_target(tiny_llama_dir: Path) -> Iterator[str]:
         host_offload_gb=8 * 2048 / 2**30,
         enable_prefix_caching=True,
     )
-    with LiveServer(engine) as live, Load(live.url):
+    with LiveServer(engine) as live, dashboard_load(live.url):
         yield f"127.0.0.1:{live.port}"
 
 
