@@ -19,8 +19,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from mstar.engine.model import ModelConfig, ModelLoadError, load_model
-from mstar.engine.model.decoder import FLOAT32_PACKED_MIN_ROWS, PackedLinear
+from mstar.engine.model import ModelConfig, ModelLoadError, load_model, loader
+from mstar.engine.model.decoder import (
+    BF16_FLOAT32_GEMM_MIN_ROWS,
+    FLOAT32_PACKED_MIN_ROWS,
+    PackedLinear,
+)
 
 VOCAB = 128
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -189,19 +193,63 @@ def test_llama3_rope_scaling_is_applied(tmp_path):
     assert plain.rope_scaling is None
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: QKV bias through the packed path
-def test_bfloat16_load_close_to_transformers(tmp_path, family):
+def test_bfloat16_load_close_to_transformers(tmp_path, monkeypatch, family, native_bf16):
+    """Both bf16 GEMM routes (oneDNN's bf16 kernel, float32 GEMMs on CPUs without bf16 math)."""
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: native_bf16)
     hf = make_checkpoint(tmp_path, family)
     decoder, cfg, _ = load_model(tmp_path, "bfloat16")
     assert decoder.dtype == torch.bfloat16
     # On CPU every bf16 projection and the LM head run on oneDNN-prepacked weights.
-    assert isinstance(decoder.layers[0].qkv_proj, PackedLinear)
-    assert isinstance(decoder.lm_head, PackedLinear)
+    qkv = decoder.layers[0].qkv_proj
+    assert isinstance(qkv, PackedLinear) and isinstance(decoder.lm_head, PackedLinear)
+    assert qkv.upcast is (not native_bf16) and decoder.lm_head.upcast is (not native_bf16)
     ids = random.Random(4).choices(range(VOCAB), k=20)
     pool = PagedPool(cfg, num_pages=16, page_size=4, dtype=torch.bfloat16)
     ours = pool.step(decoder, [(0, ids)], all_logits=True)
+    assert ours.shape[0] == len(ids)
     hf_bf16 = hf.to(torch.bfloat16)
     torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
+
+
+def test_bfloat16_float32_gemm_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
+    monkeypatch.setenv("MSTAR_CPU_BF16_FLOAT32_GEMM", "0")
+    make_checkpoint(tmp_path, "llama")
+    decoder, _, _ = load_model(tmp_path, "bfloat16")
+    layer = decoder.layers[0].gate_up_proj
+    assert isinstance(layer, PackedLinear) and not layer.upcast
+    assert layer.packed_weight.dtype == torch.bfloat16
+
+
+def test_bfloat16_float32_gemm_rounds_a_float32_product_to_bf16():
+    """From BF16_FLOAT32_GEMM_MIN_ROWS rows: the float32 product of the exact bf16 values,
+    rounded once to bf16; one row stays on oneDNN's bf16 kernel over the bf16 weight."""
+    gen = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=gen))
+        linear.bias.copy_(torch.randn(48, generator=gen))
+    layer = PackedLinear(linear, float32_gemm=True)
+    assert layer.packed_weight.dtype == torch.float32
+    many = torch.randn(BF16_FLOAT32_GEMM_MIN_ROWS * 8, 64, generator=gen).to(torch.bfloat16)
+    got = layer(many)
+    assert got.dtype == torch.bfloat16
+    exact = many.double() @ linear.weight.detach().double().T + linear.bias.detach().double()
+    # float32 accumulation, then one bf16 rounding: within one bf16 ulp of the exact product.
+    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-4)
+    one = many[:1]
+    assert BF16_FLOAT32_GEMM_MIN_ROWS > 1
+    bf16_kernel = torch.ops.mkldnn._linear_pointwise(
+        one,
+        torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
+        linear.bias,
+        "none",
+        [],
+        "",
+    )
+    assert torch.equal(layer(one), bf16_kernel)
 
 
 def test_float32_packs_for_batches_and_keeps_plain_weights_for_few_rows(tmp_path):

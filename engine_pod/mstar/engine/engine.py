@@ -17,7 +17,7 @@ import torch
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.model.config import ModelConfig
-from mstar.engine.model.decoder import Decoder
+from mstar.engine.model.decoder import Decoder, cpu_has_bf16
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
@@ -263,18 +263,16 @@ def _pick_device(name: str) -> torch.device:
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on CUDA, and on CPUs with native bf16 math (AVX512-BF16 or AMX), where it
-    halves the bytes each token reads; float32 on other CPUs, where bf16 matmuls are emulated
-    (on a 2-core AVX-512 Xeon without AVX512-BF16: about as fast at batch 1, 1.8x slower at 32).
+    halves the bytes each token reads; float32 on other CPUs. There bf16 multiplies float32
+    copies of its weights from two rows up (oneDNN's emulated bf16 GEMM is 3.6x slower at 32
+    rows on a 2-core AVX-512 Xeon without AVX512-BF16), so bf16 buys KV memory but no GEMM
+    speed, while float32 is the dtype whose greedy output is token-exact against transformers.
     """
     if name == "auto":
         if device.type == "cuda" or cpu_has_bf16():
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def cpu_has_bf16() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def _default_num_pages(config: EngineConfig, device: torch.device, bytes_per_page: int) -> int:

@@ -61,6 +61,25 @@ class RMSNorm(nn.Module):
 #: rows and 1.35x / 1.27x / 1.14x faster at 8 / 32 / 64 (the LM head: 2.0x faster at 8).
 FLOAT32_PACKED_MIN_ROWS = 8
 
+#: Where the CPU has no bf16 math, bf16 batches from this many rows multiply float32 copies of
+#: their weights. oneDNN emulates bf16 GEMMs there: on a 2-core AVX-512 Xeon without
+#: AVX512-BF16, SmolLM2's linears ran 1.4x / 3.6x / 4.3x slower than float32 at 2 / 32 / 64
+#: rows. One row stays on the bf16 weight: it reads half the bytes, and in the engine a
+#: one-sequence decode step took 30 ms that way against 40 ms on float32 weights.
+BF16_FLOAT32_GEMM_MIN_ROWS = 2
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 math (AVX512-BF16 or AMX); without it oneDNN emulates bf16 GEMMs."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
 
 class PackedLinear(nn.Module):
     """A CPU linear whose weight oneDNN reorders once, at load, into its blocked layout.
@@ -70,26 +89,48 @@ class PackedLinear(nn.Module):
     oneDNN wins only from `FLOAT32_PACKED_MIN_ROWS` rows up, so a float32 layer keeps its plain
     weight too and small batches use it. Packed results are rounded differently from
     ``F.linear``'s (not bit-identical); the exactness tests against transformers cover both.
+
+    ``float32_gemm`` (bf16 weights on a CPU without bf16 math, see `BF16_FLOAT32_GEMM_MIN_ROWS`):
+    batches from that many rows run a float32 GEMM on exact float32 copies of the bf16 weight
+    and input, rounding the output to bf16. That is a bf16 GEMM with float32 accumulation, what
+    oneDNN's emulation computes, at float32 speed; it costs a float32 copy of every weight.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    packed_weight: torch.Tensor
+
+    def __init__(self, linear: nn.Linear, *, float32_gemm: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
+        self.bias = linear.bias
+        self.upcast = float32_gemm and weight.dtype == torch.bfloat16
+        self.min_rows = 0
+        self.weight: torch.Tensor | None = None
+        self.few_rows_weight: torch.Tensor | None = None
+        self.float32_bias: torch.Tensor | None = None
+        if weight.dtype == torch.float32:
+            self.min_rows = FLOAT32_PACKED_MIN_ROWS
+            self.weight = linear.weight
+        elif self.upcast:
+            self.min_rows = BF16_FLOAT32_GEMM_MIN_ROWS
+            self.few_rows_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            if linear.bias is not None:
+                self.float32_bias = linear.bias.detach().float()
+            weight = weight.float()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.bias = linear.bias
-        self.min_rows = FLOAT32_PACKED_MIN_ROWS if weight.dtype == torch.float32 else 0
-        self.weight = linear.weight if self.min_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < self.min_rows and self.weight is not None:
-            return F.linear(x, self.weight, self.bias)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x, self.packed_weight, self.bias, "none", [], ""
-        )
-        return out
+        if x.shape[0] < self.min_rows:
+            if self.weight is not None:
+                return F.linear(x, self.weight, self.bias)
+            assert self.few_rows_weight is not None
+            return _onednn_linear(x, self.few_rows_weight, self.bias)
+        if self.upcast:
+            out = _onednn_linear(x.float(), self.packed_weight, self.float32_bias)
+            return out.to(x.dtype)
+        return _onednn_linear(x, self.packed_weight, self.bias)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -101,15 +142,15 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def pack_linears_(decoder: Decoder) -> None:
+def pack_linears_(decoder: Decoder, *, float32_gemm: bool = False) -> None:
     """Swap every projection and the LM head for a `PackedLinear` (see `can_pack`)."""
     for layer in decoder.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)
             if isinstance(linear, nn.Linear):
-                setattr(layer, name, PackedLinear(linear))
+                setattr(layer, name, PackedLinear(linear, float32_gemm=float32_gemm))
     if isinstance(decoder.lm_head, nn.Linear):
-        decoder.lm_head = PackedLinear(decoder.lm_head)
+        decoder.lm_head = PackedLinear(decoder.lm_head, float32_gemm=float32_gemm)
 
 
 class DecoderLayer(nn.Module):
