@@ -57,8 +57,14 @@ class EngineConfig:
     )
     page_size: int = field(default=16, metadata=_flag("Tokens per KV page."))
     max_num_seqs: int = field(default=64, metadata=_flag("Most requests in one step."))
-    max_num_batched_tokens: int = field(
-        default=2048, metadata=_flag("Token budget of one step (prefill is chunked to fit).")
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_flag(
+            "Token budget of one step (prefill is chunked to fit). Default: 2048 on CUDA; 512 "
+            "on CPU, where a step's time grows with its tokens, so smaller chunks let prompts "
+            "queued together start sooner (32 concurrent 128-token prompts, SmolLM2 on 2 cores: "
+            "TTFT p50 3.2 s -> 1.3 s at the same output tokens/s, ITL p99 0.21 s -> 0.58 s)."
+        ),
     )
     max_model_len: int | None = field(
         default=None, metadata=_flag("Longest prompt + output (default: the model's).")
@@ -120,7 +126,8 @@ class EngineConfig:
         """Every problem with the settings, each naming its flag."""
         problems: list[str] = []
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "port"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 problems.append(f"--{_dash(name)} must be >= 1")
         if self.num_pages is not None and self.num_pages < 2:
             problems.append("--num-pages must be >= 2")

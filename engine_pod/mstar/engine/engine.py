@@ -36,6 +36,9 @@ from mstar.kernels import resolve_attention_backend, select_attention_backend
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
+#: Step token budgets when --max-num-batched-tokens is unset (its help has the measurement).
+CPU_DEFAULT_BATCHED_TOKENS = 512
+CUDA_DEFAULT_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ class LLMEngine:
             self.kv,
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=_batched_tokens(config, device),
                 eviction_policy=config.eviction_policy,
                 max_model_len=self.max_model_len,
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
@@ -273,6 +276,12 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _batched_tokens(config: EngineConfig, device: torch.device) -> int:
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    return CPU_DEFAULT_BATCHED_TOKENS if device.type == "cpu" else CUDA_DEFAULT_BATCHED_TOKENS
 
 
 def _default_num_pages(config: EngineConfig, device: torch.device, bytes_per_page: int) -> int:
