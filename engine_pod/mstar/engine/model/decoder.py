@@ -104,7 +104,6 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.bias = linear.bias
-        self.upcast = float32_gemm and weight.dtype == torch.bfloat16
         self.min_rows = 0
         self.weight: torch.Tensor | None = None
         self.few_rows_weight: torch.Tensor | None = None
@@ -112,7 +111,7 @@ class PackedLinear(nn.Module):
         if weight.dtype == torch.float32:
             self.min_rows = FLOAT32_PACKED_MIN_ROWS
             self.weight = linear.weight
-        elif self.upcast:
+        elif float32_gemm and weight.dtype == torch.bfloat16:
             self.min_rows = BF16_FLOAT32_GEMM_MIN_ROWS
             self.few_rows_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             if linear.bias is not None:
@@ -121,13 +120,18 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
 
+    @property
+    def upcast(self) -> bool:
+        """True when batches from `min_rows` up run the float32 GEMM of ``float32_gemm``."""
+        return self.few_rows_weight is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] < self.min_rows:
             if self.weight is not None:
                 return F.linear(x, self.weight, self.bias)
             assert self.few_rows_weight is not None
             return _onednn_linear(x, self.few_rows_weight, self.bias)
-        if self.upcast:
+        if self.few_rows_weight is not None:
             out = _onednn_linear(x.float(), self.packed_weight, self.float32_bias)
             return out.to(x.dtype)
         return _onednn_linear(x, self.packed_weight, self.bias)
