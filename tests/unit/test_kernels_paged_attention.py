@@ -16,7 +16,7 @@ from external_tools import require_tool
 from mstar.kernels import (
     FlashInferPagedAttention,
     TorchPagedAttention,
-    cpu_decode,
+    cpu_kernels,
     flashinfer_available,
     select_attention_backend,
     slot_rows,
@@ -105,19 +105,19 @@ def test_decode_kernel_builds_here() -> None:
     """With a compiler on the machine the CPU backend takes the C++ decode kernel."""
     require_tool("g++")
     require_tool("ninja")
-    assert cpu_decode.load() is not None
+    assert cpu_kernels.load() is not None
     assert TorchPagedAttention().uses_decode_kernel
     assert not TorchPagedAttention(decode_kernel=False).uses_decode_kernel
 
 
 def test_decode_kernel_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
-    cpu_decode.load.cache_clear()
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    cpu_kernels.load.cache_clear()
     try:
-        assert cpu_decode.load() is None
+        assert cpu_kernels.load() is None
         assert not TorchPagedAttention().uses_decode_kernel
     finally:
-        cpu_decode.load.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
 @pytest.mark.parametrize("page_size,hq,hkv,specs", CASES)
@@ -321,4 +321,30 @@ def test_flashinfer_matches_torch(page_size, hq, hkv, specs, decode_only):
     for _ in range(2):  # the planned state serves repeated layer calls
         torch.testing.assert_close(
             fi.run(q, pool).float(), ref.run(q, pool).float(), atol=2e-2, rtol=2e-2
+        )
+
+
+@pytest.mark.parametrize(
+    "page_size,hq,hkv,d",
+    [(5, 16, 2, 128), (16, 8, 1, 256), (3, 4, 4, 32), (16, 12, 4, 64)],
+    ids=["pages-of-5-group-8", "head-256-mqa", "pages-of-3-mha", "group-3"],
+)
+def test_decode_kernel_reads_q_in_place_from_fused_rows(page_size, hq, hkv, d):
+    """A decode-only step hands the kernel q as a strided view of the fused QKV rows; blocks
+    of 16 keys straddle pages when the page size is not a multiple of 16."""
+    require_tool("g++")
+    require_tool("ninja")
+    specs = [(1, 1), (15, 1), (16, 1), (17, 1), (61, 1), (33, 1)]
+    pool, dense, q, plan = build_case(9, page_size, hq, hkv, d, specs, num_pages=80)
+    fused = torch.randn(len(specs), (hq + 2 * hkv) * d)
+    fused[:, : hq * d] = q.reshape(len(specs), -1)
+    q_view = fused[:, : hq * d].view(len(specs), hq, d)
+    assert not q_view.is_contiguous()
+    backend = TorchPagedAttention()
+    assert backend.uses_decode_kernel
+    backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    out = backend.run(q_view, pool)
+    for i, (k, v) in enumerate(dense):
+        torch.testing.assert_close(
+            out[i : i + 1].double(), reference(q[i : i + 1], k, v), atol=1e-5, rtol=1e-5
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from external_tools import require_tool
 from mstar_model_testutil import PagedPool
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
@@ -25,6 +26,7 @@ from mstar.engine.model.decoder import (
     FLOAT32_PACKED_MIN_ROWS,
     PackedLinear,
 )
+from mstar.kernels import cpu_kernels
 
 VOCAB = 128
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -138,6 +140,35 @@ def test_full_prefill_matches_transformers(tmp_path, family, kwargs):
     pool = PagedPool(cfg, num_pages=32, page_size=4)
     ours = pool.step(decoder, [(0, ids)], all_logits=True)
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernels_run_float32_and_can_be_switched_off(tmp_path, monkeypatch):
+    """A CPU float32 load takes the C++ glue kernels (add + RMSNorm, RoPE); with
+    MSTAR_CPU_KERNELS=0 it keeps torch's ops. Both match transformers, decode rows included."""
+    require_tool("g++")
+    require_tool("ninja")
+    hf = make_checkpoint(tmp_path, "llama")
+    ids = random.Random(4).choices(range(VOCAB), k=30)
+    ref = hf_logits(hf, ids)
+
+    def run() -> tuple[object, torch.Tensor]:
+        decoder, cfg, _ = load_model(tmp_path, "float32")
+        pool = PagedPool(cfg, num_pages=32, page_size=4)
+        first = pool.step(decoder, [(0, ids[:20])], all_logits=True)
+        rest = [pool.step(decoder, [(0, [tok])], all_logits=True) for tok in ids[20:]]
+        return decoder.cpu_kernels, torch.cat([first, *rest])
+
+    kernels, with_kernels = run()
+    assert kernels is not None
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        kernels, without = run()
+    finally:
+        cpu_kernels.load.cache_clear()
+    assert kernels is None
+    torch.testing.assert_close(with_kernels, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(without, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from mstar.kernels import cpu_kernels
+
 
 def slot_rows(write_slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Row ids of the K entries in ``kv_layer.view(pages * 2 * page_size, H, D)``.
@@ -31,6 +33,16 @@ def write_kv(
             f"kv_layer must be [pages, 2, page_size, H, D], got {tuple(kv_layer.shape)}"
         )
     slots = write_slots.to(device=kv_layer.device, dtype=torch.int64)
+    kernels = cpu_kernels.load() if kv_layer.device.type == "cpu" else None
+    if (
+        kernels is not None
+        and kv_layer.is_contiguous()
+        and k.dtype == kv_layer.dtype
+        and cpu_kernels.heads_contiguous(k)
+        and cpu_kernels.heads_contiguous(v)
+    ):
+        kernels.write_kv(kv_layer, k, v, slots.contiguous())
+        return
     if kv_layer.is_contiguous():
         flat = kv_layer.view(num_pages * 2 * page_size, heads, dim)
         rows = slot_rows(slots, page_size)

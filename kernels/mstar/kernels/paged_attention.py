@@ -10,7 +10,7 @@ per-step work that must not be repeated 30 times.
 for at most two groups of sequences (decode rows with one query, and extend rows with several),
 a padded page table and a boolean mask; ``run`` gathers the group's K and V rows straight into
 the head-major layout the matmuls read, in one ``index_select``, and attends once per group.
-On CPU the decode group skips the gather: `cpu_decode.paged_decode` reads the pages in place.
+On CPU the decode group skips the gather: `cpu_kernels.paged_decode` reads the pages in place.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from mstar.kernels import cpu_decode
+from mstar.kernels import cpu_kernels
 
 
 class PagedAttentionBackend(Protocol):
@@ -103,10 +103,10 @@ class TorchPagedAttention:
     """Batched paged attention in plain torch (CPU, or any device as a reference)."""
 
     def __init__(self, device: torch.device | str = "cpu", *, decode_kernel: bool = True) -> None:
-        """``decode_kernel``: use `cpu_decode` for one-query rows on CPU where it builds."""
+        """``decode_kernel``: use `cpu_kernels` for one-query rows on CPU where it builds."""
         self.device = torch.device(device)
         use = decode_kernel and self.device.type == "cpu"
-        self._kernel = cpu_decode.load() if use else None
+        self._kernel = cpu_kernels.load() if use else None
         self._groups: list[_Group] = []
         self._num_tokens = 0
         self._num_qo_heads = 0
@@ -220,9 +220,19 @@ class TorchPagedAttention:
         """Attention for q [T, Hq, D] against one layer's cache; returns [T, Hq, D]."""
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
-        out = q.new_empty(q.shape)
         hq, d = self._num_qo_heads, self._head_dim
         kernel = self._decode_kernel_for(q, kv_layer)
+        if kernel is not None and len(self._groups) == 1 and self._groups[0].q_max == 1:
+            # Decode rows only: row i is sequence i, so the kernel reads q in place (a view of
+            # the fused QKV rows) and its output is the answer, no gather or scatter.
+            g = self._groups[0]
+            rows = q if cpu_kernels.heads_contiguous(q) else q.contiguous()
+            page_table = g.page_table.view(g.batch, -1)
+            out: torch.Tensor = kernel.paged_decode(
+                rows, kv_layer, page_table, g.kv_lens, self._scale
+            )
+            return out
+        out = q.new_empty(q.shape)
         for g in self._groups:
             if g.q_max == 1 and kernel is not None:
                 qg = q.index_select(0, g.q_rows)  # [B, Hq, D], contiguous
@@ -270,10 +280,10 @@ class TorchPagedAttention:
     def _decode_kernel_for(self, q: torch.Tensor, kv_layer: torch.Tensor) -> Any | None:
         """The C++ decode kernel if it handles this layer, else None (torch path)."""
         fits = (
-            q.dtype in cpu_decode.DTYPES
+            q.dtype in cpu_kernels.DTYPES
             and kv_layer.dtype == q.dtype
             and kv_layer.is_contiguous()
-            and cpu_decode.supports_head_dim(self._head_dim)
+            and cpu_kernels.supports_head_dim(self._head_dim)
         )
         return self._kernel if fits else None
 

@@ -11,7 +11,7 @@ small model fast on CPU.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,22 @@ class RMSNorm(nn.Module):
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, kernels: Any | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); with no residual yet, x is the residual.
+
+        Overwrites ``x`` (a sublayer's fresh output), and ``residual`` on the kernel path, where
+        `cpu_kernels.add_rms_norm_` does the add and the norm in one pass over the rows.
+        """
+        if residual is None:
+            return self(x), x
+        if kernels is not None and x.dtype == torch.float32:
+            kernels.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x.add_(residual)
+        return self(residual), residual
 
 
 #: float32 batches below this many rows keep MKL's ``F.linear``: measured on a 2-core AVX-512
@@ -196,29 +212,33 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionContext,
-    ) -> torch.Tensor:
-        """``cos_sin``: `RotaryEmbedding.lookup` at this step's positions (shared by all layers)."""
+        kernels: Any | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual): the residual add is left to the next norm, which fuses it.
+
+        ``hidden`` is the previous layer's MLP output (the embeddings, with ``residual`` None,
+        for layer 0); ``cos_sin`` is `RotaryEmbedding.lookup` at this step's positions, shared
+        by all layers; ``kernels`` is `cpu_kernels.load()`'s extension or None (torch ops).
+        """
         t = hidden.shape[0]
-        residual = hidden
-        h = self.input_layernorm(hidden)
+        h, residual = self.input_layernorm.add_forward(hidden, residual, kernels)
         qkv = self.qkv_proj(h)
         # Q and K sit side by side in each row, so one rotation covers both.
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        rope.rotate_(qk, *cos_sin)
+        rope.rotate_(qk, *cos_sin, kernels=kernels)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = attn.attend(self.layer_idx, q, k, v)
-        h = self.o_proj(o.reshape(t, self.q_size)).add_(residual)
-        residual = h
-        x = self.post_attention_layernorm(h)
+        h = self.o_proj(o.reshape(t, self.q_size))
+        x, residual = self.post_attention_layernorm.add_forward(h, residual, kernels)
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         # In place on fresh temporaries: two fewer allocations of [T, inter] per layer.
-        out = self.down_proj(F.silu(gate).mul_(up))
-        return out.add_(residual)
+        return self.down_proj(F.silu(gate).mul_(up)), residual
 
 
 class Decoder(nn.Module):
@@ -256,6 +276,8 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
+        #: `cpu_kernels.load()`'s extension for the float32 glue ops, or None (torch ops)
+        self.cpu_kernels: Any | None = None
         self.rope = RotaryEmbedding(
             cfg.head_dim,
             max_positions or cfg.max_position_embeddings,
@@ -292,8 +314,11 @@ class Decoder(nn.Module):
         """Run tokens [T] at ``positions`` [T]; logits [n, vocab] for ``logits_indices`` [n]."""
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer(hidden, self.rope, cos_sin, attn)
-        # The norm is row-wise, so normalising only the sampled rows gives the same numbers.
-        selected = self.norm(hidden[logits_indices])
+            hidden, residual = layer(hidden, residual, self.rope, cos_sin, attn, self.cpu_kernels)
+        # Add and norm are row-wise, so doing them for the sampled rows only gives the same
+        # numbers; indexing copies, so the in-place add touches neither full tensor.
+        rows = residual[logits_indices] if residual is not None else None
+        selected, _ = self.norm.add_forward(hidden[logits_indices], rows, self.cpu_kernels)
         return self.lm_head(selected).float()

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.decoder import Decoder, can_pack, cpu_has_bf16, pack_linears_
 from mstar.engine.model.tokenizer import Tokenizer
+from mstar.kernels import cpu_kernels
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -188,6 +189,8 @@ def load_model(
     decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
     if can_pack(torch_dtype, decoder.device):
         pack_linears_(decoder, float32_gemm=bf16_float32_gemm(torch_dtype))
+    if decoder.device.type == "cpu":
+        decoder.cpu_kernels = cpu_kernels.load()
     return decoder, cfg, tokenizer
 
 

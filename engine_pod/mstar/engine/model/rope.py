@@ -8,6 +8,7 @@ unrelated positions, so no per-step recomputation over a contiguous range would 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -68,8 +69,16 @@ class RotaryEmbedding:
         """cos, sin ``[T, 1, D/2]`` at ``positions`` [T]: gathered once per step for all layers."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate ``x`` [T, H, D] in place by `lookup`'s tables (HF rotate_half layout)."""
+    def rotate_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, kernels: Any | None = None
+    ) -> None:
+        """Rotate ``x`` [T, H, D] in place by `lookup`'s tables (HF rotate_half layout).
+
+        ``kernels`` (`cpu_kernels.load()`'s extension) does float32 in one pass, same bits.
+        """
+        if kernels is not None and x.dtype == torch.float32:
+            kernels.rope_(x, cos, sin)
+            return
         half = self.head_dim // 2
         x1 = x[..., :half]
         x2 = x[..., half:]

@@ -1,0 +1,539 @@
+"""CPU kernels in C++ for the decode step: paged decode attention and the fused glue around it.
+
+- ``paged_decode``: decode attention reading K/V straight from the cache pages. The torch path
+  gathers every page of every decode row into a padded head-major copy in every layer. This
+  kernel walks each row's page table in place, one task per sequence on torch's own OpenMP team
+  (``at::parallel_for``): scores for 16 keys at a time against every query head of a KV group,
+  one transpose-and-add reduction per block instead of a horizontal sum per key, a vectorised
+  softmax, values weighed with the group's accumulators in registers. float32 and bfloat16
+  caches; bf16 loads widen to float32 and the output rounds back once.
+- ``write_kv``: a step's new K/V rows into a layer's pages, one copy per token (the torch path
+  computes slot rows and runs two ``index_copy_`` per layer).
+- ``add_rms_norm_``: the residual add and HF's RMSNorm in one pass (float32).
+- ``rope_``: rotate_half RoPE on Q and K in place (float32), bit-identical to the torch ops.
+- ``argmax_rows``: the sampler's greedy argmax over a [rows, vocab] float32 batch, one row per
+  task (torch's CPU argmax took 1.6 ms for 32 x 49152).
+
+These are per-layer ops on small tensors in a decode step, where dispatch and passes over memory
+cost more than the arithmetic: SmolLM2 at batch 32 ran ~20 of them per layer around the GEMMs.
+
+The source is compiled on first use with the machine's C++ compiler (``torch.utils.cpp_extension``,
+cached under ``TORCH_EXTENSIONS_DIR``) and ``-march=native``. Where no compiler is available the
+engine keeps the torch path (`load` returns None and logs why, once).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Set to 0 to keep the torch path even where the kernels build (A/B measurements).
+ENV_SWITCH = "MSTAR_CPU_KERNELS"
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// GCC/Clang vector extensions: 16 floats, lowered to whatever -march=native offers (one zmm
+// with AVX-512, two ymm with AVX2).
+typedef float f16v __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint16_t u16v __attribute__((vector_size(32)));
+typedef uint32_t u32v __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef float f4v __attribute__((vector_size(16)));
+constexpr int64_t W = 16;
+
+inline f16v load(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f16v load(const c10::BFloat16* p) {
+  u16v h;
+  std::memcpy(&h, p, sizeof h);
+  u32v w = __builtin_convertvector(h, u32v) << 16;
+  f16v v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(f16v v) {
+  f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Lane sums of 16 vectors at once (a transpose-and-add tree: 15 adds and 30 shuffles, against
+// 16 separate horizontal sums). Lane t of the result is the sum of a[kBrev[t]]'s lanes, so a
+// caller that fills slot s with token kBrev[s] gets token t in lane t.
+constexpr int kBrev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline f16v pair1(f16v a, f16v b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                 31);
+}
+inline f16v pair2(f16v a, f16v b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline f16v pair3(f16v a, f16v b) {
+  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline f16v pair4(f16v a, f16v b) {
+  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+inline f16v reduce16(const f16v* a) {
+  f16v x[8], y[4];
+  for (int i = 0; i < 8; ++i) x[i] = pair1(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) y[i] = pair2(x[2 * i], x[2 * i + 1]);
+  return pair4(pair3(y[0], y[1]), pair3(y[2], y[3]));
+}
+
+// exp for x <= 0 (softmax after subtracting the max): x = n ln2 + r with |r| <= ln2 / 2, a
+// degree-7 Taylor polynomial for e^r (error < 1e-8 relative), 2^n from the exponent bits.
+// Below -87 it returns ~1e-38 rather than 0; callers zero padded lanes themselves.
+inline f16v vexp(f16v x) {
+  const f16v lo = f16v{} - 87.f;
+  x = x < lo ? lo : x;
+  const i16v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i16v);
+  const f16v nf = __builtin_convertvector(n, f16v);
+  const f16v r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+  f16v p = r * (1.f / 5040) + (1.f / 720);
+  p = p * r + (1.f / 120);
+  p = p * r + (1.f / 24);
+  p = p * r + (1.f / 6);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i16v bits = (n + 127) << 23;
+  f16v scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Scores of one query head against a block of up to 16 keys (slots past ``n`` repeat key 0 and
+// are overwritten with -inf by the caller).
+template <typename T, int NV>
+inline f16v block_scores(const f16v* qh, const T* const* kp) {
+  f16v acc[16];
+#pragma GCC unroll 16
+  for (int s = 0; s < 16; ++s) {
+    const T* k = kp[kBrev[s]];
+    f16v a = qh[0] * load(k);
+#pragma GCC unroll 16
+    for (int j = 1; j < NV; ++j) a += qh[j] * load(k + j * W);
+    acc[s] = a;
+  }
+  return reduce16(acc);
+}
+
+// Probability-weighted sum of V rows for HT query heads of one KV head, accumulators in registers.
+template <typename T, int NV, int HT>
+inline void weigh_values(const T* v0, const int64_t* off, int64_t len, const float* const* p,
+                         f16v* out) {
+  f16v acc[HT][NV];
+  for (int h = 0; h < HT; ++h)
+    for (int j = 0; j < NV; ++j) acc[h][j] = f16v{};
+  for (int64_t l = 0; l < len; ++l) {
+    const T* v = v0 + off[l];
+    f16v vr[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) vr[j] = load(v + j * W);
+#pragma GCC unroll 4
+    for (int h = 0; h < HT; ++h) {
+      const float w = p[h][l];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[h][j] += w * vr[j];
+    }
+  }
+  for (int h = 0; h < HT; ++h)
+    for (int j = 0; j < NV; ++j) out[h * NV + j] = acc[h][j];
+}
+
+template <typename T, int NV>
+void weigh_values_n(int n, const T* v0, const int64_t* off, int64_t len, const float* const* p,
+                    f16v* out) {
+  switch (n) {
+    case 1: return weigh_values<T, NV, 1>(v0, off, len, p, out);
+    case 2: return weigh_values<T, NV, 2>(v0, off, len, p, out);
+    case 3: return weigh_values<T, NV, 3>(v0, off, len, p, out);
+    default: return weigh_values<T, NV, 4>(v0, off, len, p, out);
+  }
+}
+
+// One task per sequence on torch's OpenMP team. Per KV head: scores for 16 keys at a time
+// (every query head of the group against the same K rows, read from L1 after the first),
+// a vectorised softmax, then the values weighed with the group's accumulators in registers.
+template <typename T, int NV>
+void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* kv,
+            const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
+            int64_t hkv, int64_t page_size, int64_t max_pages, float scale) {
+  constexpr int64_t dim = NV * W;
+  constexpr int HT_MAX = NV >= 16 ? 1 : (NV >= 8 ? 2 : 4);
+  const int64_t group = hq / hkv;
+  const int64_t row = hkv * dim;          // one token of one plane (K or V) of a page
+  const int64_t plane = page_size * row;  // K or V of one page
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> off;
+    std::vector<float> scores;
+    std::vector<f16v> qv(hq * NV), acc(hq * NV);
+    std::vector<float> inv(hq);
+    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = lens[b];
+      const int64_t padded = (len + W - 1) / W * W;
+      const int64_t* pages = table + b * max_pages;
+      off.resize(len);
+      for (int64_t l = 0, page = 0, slot = 0; l < len; ++l) {
+        off[l] = pages[page] * 2 * plane + slot * row;
+        if (++slot == page_size) slot = 0, ++page;
+      }
+      scores.resize(hq * padded);
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t j = 0; j < NV; ++j)
+          qv[h * NV + j] = load(q + b * q_batch_stride + h * q_head_stride + j * W) * scale;
+      for (int64_t hk = 0; hk < hkv; ++hk) {
+        const T* kbase = kv + hk * dim;
+        for (int64_t l0 = 0; l0 < len; l0 += W) {
+          const int64_t n = std::min<int64_t>(W, len - l0);
+          const T* kp[16];
+          for (int64_t t = 0; t < 16; ++t) kp[t] = kbase + off[l0 + (t < n ? t : 0)];
+          for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+            float* sh = scores.data() + h * padded + l0;
+            store(sh, block_scores<T, NV>(qv.data() + h * NV, kp));
+            for (int64_t t = n; t < W; ++t) sh[t] = -INFINITY;
+          }
+        }
+      }
+      const int64_t tail = len - (padded - W);  // real keys in the last block
+      for (int64_t h = 0; h < hq; ++h) {
+        float* sh = scores.data() + h * padded;
+        f16v m = load(sh);
+        for (int64_t c = W; c < padded; c += W) {
+          const f16v v = load(sh + c);
+          m = v > m ? v : m;
+        }
+        float mx = m[0];
+        for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
+        f16v sum = f16v{};
+        for (int64_t c = 0; c < padded; c += W) {
+          f16v e = vexp(load(sh + c) - mx);
+          if (c + W == padded) e = lane < static_cast<int32_t>(tail) ? e : f16v{};
+          store(sh + c, e);
+          sum += e;
+        }
+        inv[h] = 1.f / hsum(sum);
+      }
+      for (int64_t hk = 0; hk < hkv; ++hk) {
+        const T* v0 = kv + plane + hk * dim;
+        for (int64_t h0 = hk * group; h0 < (hk + 1) * group; h0 += HT_MAX) {
+          const int n = static_cast<int>(std::min<int64_t>(HT_MAX, (hk + 1) * group - h0));
+          const float* p[4];
+          for (int i = 0; i < n; ++i) p[i] = scores.data() + (h0 + i) * padded;
+          weigh_values_n<T, NV>(n, v0, off.data(), len, p, acc.data() + h0 * NV);
+        }
+      }
+      T* o = out + b * hq * dim;
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t j = 0; j < NV; ++j) {
+          const f16v r = acc[h * NV + j] * inv[h];
+          for (int e = 0; e < W; ++e) o[h * dim + j * W + e] = static_cast<T>(r[e]);
+        }
+    }
+  });
+}
+
+template <typename T>
+void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
+                const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
+                int64_t hkv, int64_t page_size, int64_t max_pages, float scale) {
+#define DECODE(NV) \
+  decode<T, NV>(q, qs0, qs1, kv, table, lens, out, batch, hq, hkv, page_size, max_pages, scale)
+  switch (dim) {
+    case 16: return DECODE(1);
+    case 32: return DECODE(2);
+    case 64: return DECODE(4);
+    case 128: return DECODE(8);
+    case 256: return DECODE(16);
+    default: TORCH_CHECK(false, "paged_decode: head_dim must be 16, 32, 64, 128 or 256");
+  }
+#undef DECODE
+}
+
+// Rows of a [T, H, D] view whose heads are contiguous rows of D (a slice of a fused QKV row).
+void check_head_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              name, " must be [T, H, D] with contiguous heads");
+}
+
+// Keeps a product in its own rounding: the compiler may not contract it into an FMA.
+template <typename V>
+inline V rounded(V v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// x1 * c - x2 * s and x2 * c + x1 * s with every product and sum rounded on its own:
+// bit-identical to the same expression in torch ops. V is f16v (16 lanes) or float (a tail).
+template <typename V>
+inline void rotate(float* x1, float* x2, const float* c, const float* s) {
+  V a, b, cv, sv;
+  std::memcpy(&a, x1, sizeof a);
+  std::memcpy(&b, x2, sizeof b);
+  std::memcpy(&cv, c, sizeof cv);
+  std::memcpy(&sv, s, sizeof sv);
+  const V n1 = rounded(a * cv) - rounded(b * sv);
+  const V n2 = rounded(b * cv) + rounded(a * sv);
+  std::memcpy(x1, &n1, sizeof n1);
+  std::memcpy(x2, &n2, sizeof n2);
+}
+
+void rotate_rows(float* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t half,
+                 const float* cos, const float* sin) {
+  const int64_t vec_end = half / W * W;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* c = cos + t * half;
+    const float* s = sin + t * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x1 = x + t * row_stride + h * 2 * half;
+      float* x2 = x1 + half;
+      for (int64_t i = 0; i < vec_end; i += W) rotate<f16v>(x1 + i, x2 + i, c + i, s + i);
+      for (int64_t i = vec_end; i < half; ++i) rotate<float>(x1 + i, x2 + i, c + i, s + i);
+    }
+  }
+}
+
+}  // namespace
+
+// q [B, Hq, D] (heads contiguous, any batch stride); kv_layer [pages, 2, S, Hkv, D];
+// page_table int64 [B, max_pages]; kv_lens int64 [B]. Returns [B, Hq, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_table,
+                           torch::Tensor kv_lens, double scale) {
+  TORCH_CHECK(kv_layer.dim() == 5 && page_table.dim() == 2, "bad ranks");
+  check_head_rows(q, "q");
+  TORCH_CHECK(kv_layer.is_contiguous() && page_table.is_contiguous() && kv_lens.is_contiguous(),
+              "kv_layer, page_table and kv_lens must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and the cache differ in dtype");
+  TORCH_CHECK(page_table.scalar_type() == torch::kInt64 && kv_lens.scalar_type() == torch::kInt64,
+              "page_table and kv_lens must be int64");
+  const int64_t batch = q.size(0), hq = q.size(1), dim = q.size(2);
+  const int64_t page_size = kv_layer.size(2), hkv = kv_layer.size(3);
+  TORCH_CHECK(kv_layer.size(1) == 2 && kv_layer.size(4) == dim && hq % hkv == 0, "bad shapes");
+  TORCH_CHECK(page_table.size(0) == batch && kv_lens.size(0) == batch, "bad batch");
+  auto out = torch::empty({batch, hq, dim}, q.options());
+  const auto* table = page_table.data_ptr<int64_t>();
+  const auto* lens = kv_lens.data_ptr<int64_t>();
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kFloat32) {
+    decode_dim<float>(dim, q.data_ptr<float>(), q.stride(0), q.stride(1),
+                      kv_layer.data_ptr<float>(), table, lens, out.data_ptr<float>(), batch, hq,
+                      hkv, page_size, page_table.size(1), s);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    decode_dim<c10::BFloat16>(dim, q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
+                              kv_layer.data_ptr<c10::BFloat16>(), table, lens,
+                              out.data_ptr<c10::BFloat16>(), batch, hq, hkv, page_size,
+                              page_table.size(1), s);
+  } else {
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+// Copy k, v [T, Hkv, D] into kv_layer [pages, 2, S, Hkv, D] at flat slots (page * S + offset).
+void write_kv(torch::Tensor kv_layer, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2 && kv_layer.is_contiguous(),
+              "kv_layer must be a contiguous [pages, 2, S, H, D]");
+  check_head_rows(k, "k");
+  check_head_rows(v, "v");
+  TORCH_CHECK(k.scalar_type() == kv_layer.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "k, v and the cache differ in dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous() && slots.scalar_type() == torch::kInt64,
+              "slots must be a contiguous int64 [T]");
+  const int64_t tokens = slots.size(0), page_size = kv_layer.size(2);
+  TORCH_CHECK(k.size(0) == tokens && v.size(0) == tokens, "k, v and slots differ in length");
+  TORCH_CHECK(k.size(1) == kv_layer.size(3) && k.size(2) == kv_layer.size(4) &&
+              v.sizes() == k.sizes(), "k / v shape does not match the cache");
+  const int64_t capacity = kv_layer.size(0) * page_size;
+  const int64_t row = k.size(1) * k.size(2);
+  const int64_t bytes = row * static_cast<int64_t>(k.element_size());
+  const auto* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "write_kv: slot ", slot[t],
+                " is outside the cache's ", capacity, " slots");
+  auto* base = static_cast<char*>(kv_layer.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size();
+  const int64_t v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t page = slot[t] / page_size, offset = slot[t] % page_size;
+    char* dst = base + ((page * 2 * page_size) + offset) * bytes;
+    std::memcpy(dst, ks + t * k_stride, bytes);
+    std::memcpy(dst + page_size * bytes, vs + t * v_stride, bytes);
+  }
+}
+
+// float32: residual += x, then x = weight * (residual * rsqrt(mean(residual^2) + eps)), both
+// in place; HF's RMSNorm order of operations after the sum of squares.
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && residual.scalar_type() == torch::kFloat32 &&
+                  weight.scalar_type() == torch::kFloat32, "add_rms_norm_: float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
+                  weight.is_contiguous() && residual.sizes() == x.sizes() &&
+                  weight.dim() == 1 && weight.size(0) == x.size(1),
+              "add_rms_norm_: x and residual [T, H] contiguous, weight [H]");
+  const int64_t rows = x.size(0), hidden = x.size(1), vec_end = hidden / W * W;
+  float* xs = x.data_ptr<float>();
+  float* rs = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xs + t * hidden;
+      float* rr = rs + t * hidden;
+      f16v acc = f16v{};
+      for (int64_t i = 0; i < vec_end; i += W) {
+        const f16v r = load(rr + i) + load(xr + i);
+        store(rr + i, r);
+        acc += r * r;
+      }
+      float ss = hsum(acc);
+      for (int64_t i = vec_end; i < hidden; ++i) {
+        rr[i] += xr[i];
+        ss += rr[i] * rr[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + epsf);
+      for (int64_t i = 0; i < hidden; ++i) xr[i] = w[i] * (rr[i] * inv);
+    }
+  });
+}
+
+// float32 argmax of each row of x [n, V] (row-contiguous): the first index of the row's maximum,
+// or of its first NaN, as torch.argmax answers. One row per task, 16 lanes per compare.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "argmax_rows: float32 [n, V] with contiguous rows");
+  const int64_t rows = x.size(0), vocab = x.size(1), vec_end = vocab / W * W;
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "argmax_rows: bad vocab size");
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* xs = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xs + r * stride;
+      f16v best = f16v{} - INFINITY;
+      i16v best_i = i16v{}, idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      i16v nan = i16v{};
+      for (int64_t i = 0; i < vec_end; i += W, idx += static_cast<int32_t>(W)) {
+        const f16v v = load(row + i);
+        const i16v up = v > best;
+        best = up ? v : best;
+        best_i = up ? idx : best_i;
+        nan |= v != v;
+      }
+      float m = -INFINITY;
+      int64_t at = vocab;
+      bool any_nan = false;
+      for (int e = 0; e < W && vec_end > 0; ++e) {
+        any_nan |= nan[e] != 0;
+        if (best[e] > m || (best[e] == m && best_i[e] < at)) m = best[e], at = best_i[e];
+      }
+      for (int64_t i = vec_end; i < vocab; ++i) {
+        any_nan |= row[i] != row[i];
+        if (row[i] > m) m = row[i], at = i;
+      }
+      if (at == vocab) at = 0;  // every entry -inf (or NaN, found below)
+      if (any_nan)
+        for (int64_t i = 0; i < vocab; ++i)
+          if (row[i] != row[i]) {
+            at = i;
+            break;
+          }
+      o[r] = at;
+    }
+  });
+  return out;
+}
+
+// float32 RoPE in place on x [T, H, D] (rotate_half layout) with cos / sin [T, 1, D/2].
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_head_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
+                  sin.scalar_type() == torch::kFloat32, "rope_: float32 only");
+  const int64_t half = x.size(2) / 2;
+  TORCH_CHECK(x.size(2) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == x.size(0) * half && sin.numel() == cos.numel(),
+              "rope_: cos / sin must be contiguous [T, 1, D/2]");
+  rotate_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), half,
+                     cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+"""
+
+#: dtypes ``paged_decode`` handles (the other kernels: float32 only)
+DTYPES = (torch.float32, torch.bfloat16)
+
+#: head dims ``paged_decode`` is instantiated for (whole 16-float vectors, registers per row)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def supports_head_dim(head_dim: int) -> bool:
+    """True for the head dims the decode kernel is compiled for (`HEAD_DIMS`)."""
+    return head_dim in HEAD_DIMS
+
+
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, H, D] whose heads are back-to-back rows of D, the layout the kernels read (a slice
+    of fused QKV rows qualifies)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def _build_key() -> str:
+    """Source and CPU flags: a cache shared between machines never runs another CPU's build."""
+    digest = hashlib.sha256(_SOURCE.encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            digest.update(next((ln for ln in f if ln.startswith("flags")), "").encode())
+    except OSError:
+        digest.update(os.uname().machine.encode())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def load() -> Any | None:
+    """The compiled extension, or None (no compiler, switched off, or the build failed)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("CPU kernels switched off (%s=0): torch path", ENV_SWITCH)
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load_inline(
+            name=f"mstar_cpu_kernels_{_build_key()}",
+            cpp_sources=_SOURCE,
+            functions=["paged_decode", "write_kv", "add_rms_norm_", "rope_", "argmax_rows"],
+            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as exc:  # no compiler or ninja: the torch path still serves
+        log.warning("CPU kernels unavailable (%s); using the torch path", exc)
+        return None

@@ -1,0 +1,109 @@
+"""The C++ CPU glue kernels against the torch ops they replace.
+
+RoPE and the K/V write must give the same bits as torch; the fused add + RMSNorm keeps the
+residual bit-exact and the norm within float32 rounding (its sum of squares runs in another
+order); the argmax answers what torch.argmax answers, NaN and ties included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from external_tools import require_tool
+
+from mstar.engine.model.rope import RotaryEmbedding
+from mstar.kernels import cpu_kernels, write_kv
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    require_tool("g++")
+    require_tool("ninja")
+    ext = cpu_kernels.load()
+    assert ext is not None
+    return ext
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (130, 100)])
+def test_add_rms_norm_matches_torch(kernels, rows, hidden):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=gen)
+    residual = torch.randn(rows, hidden, generator=gen)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    summed = residual + x
+    expected = F.rms_norm(summed, (hidden,), weight, 1e-6)
+    kernels.add_rms_norm_(x, residual, weight, 1e-6)
+    assert torch.equal(residual, summed)
+    torch.testing.assert_close(x, expected, atol=0, rtol=1e-6)
+
+
+def test_add_rms_norm_refuses_what_it_cannot_do(kernels):
+    x = torch.randn(4, 32)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernels.add_rms_norm_(x.bfloat16(), x.bfloat16(), torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.add_rms_norm_(x.t(), x.t(), torch.ones(4), 1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 96])
+def test_rope_is_bit_identical_to_the_torch_path(kernels, head_dim):
+    """On a view of fused QKV rows (Q and K heads rotated together), half-widths with and
+    without a scalar tail."""
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    tokens, heads = 9, 5
+    fused = torch.randn(tokens, (heads + 2) * head_dim)
+    qk = fused[:, : heads * head_dim].view(tokens, heads, head_dim)
+    cos, sin = rope.lookup(torch.tensor([0, 1, 2, 100, 511, 7, 7, 300, 64]))
+    expected = qk.clone()
+    rope.rotate_(expected, cos, sin)
+    untouched = fused[:, heads * head_dim :].clone()
+    rope.rotate_(qk, cos, sin, kernels=kernels)
+    assert torch.equal(qk, expected)
+    assert torch.equal(fused[:, heads * head_dim :], untouched)
+
+
+def test_write_kv_kernel_matches_the_torch_path(kernels, monkeypatch):
+    pool = torch.zeros(6, 2, 4, 3, 16)
+    fused = torch.randn(5, 9 * 16)
+    k = fused[:, 3 * 16 : 6 * 16].view(5, 3, 16)
+    v = fused[:, 6 * 16 :].view(5, 3, 16)
+    slots = torch.tensor([23, 0, 5, 6, 12])
+    write_kv(pool, k, v, slots)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    expected = torch.zeros_like(pool)
+    write_kv(expected, k, v, slots)
+    assert torch.equal(pool, expected)
+    assert int((pool != 0).sum()) == 2 * k.numel()
+
+
+def test_write_kv_kernel_refuses_a_slot_outside_the_cache(kernels):
+    pool = torch.zeros(2, 2, 4, 1, 16)
+    k = torch.ones(2, 1, 16)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache's 8 slots"):
+        kernels.write_kv(pool, k, k, torch.tensor([1, 8]))
+    with pytest.raises(RuntimeError, match="slot -1"):
+        kernels.write_kv(pool, k, k, torch.tensor([-1, 0]))
+    assert int((pool != 0).sum()) == 0  # checked before any row is copied
+
+
+def test_argmax_rows_matches_torch(kernels):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 1000, generator=gen)
+    x[1, 17] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, 999] = 50.0  # in the scalar tail (1000 is not a multiple of 16)
+    x[3, :] = float("-inf")
+    x[4, 300] = float("nan")  # torch answers the first NaN
+    x[4, 20] = float("nan")
+    x[5, 5] = float("inf")
+    x[6, 998] = float("nan")
+    wide = torch.randn(3, 2048, generator=gen)[:, :1000]  # strided rows
+    for batch in (x, wide, torch.randn(2, 7, generator=gen)):
+        assert torch.equal(kernels.argmax_rows(batch), batch.argmax(dim=1))
+
+
+def test_argmax_rows_refuses_other_layouts(kernels):
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.argmax_rows(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.randn(8, 2).t())
