@@ -107,3 +107,17 @@ def test_argmax_rows_refuses_other_layouts(kernels):
         kernels.argmax_rows(torch.randn(2, 8).double())
     with pytest.raises(RuntimeError, match="contiguous rows"):
         kernels.argmax_rows(torch.randn(8, 2).t())
+
+
+@pytest.mark.parametrize("inter", [1536, 40])
+def test_silu_mul_matches_torch(kernels, inter):
+    """gate | up halves of the fused projection; the exponential is the kernel's own, so
+    within float32 rounding, not bit-equal; large magnitudes saturate like torch's."""
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(33, 2 * inter, generator=gen) * 6
+    gate_up[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -30.0])
+    gate, up = gate_up.split([inter, inter], dim=-1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-12, rtol=2e-6)
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        kernels.silu_mul(gate_up[:, 1:])
