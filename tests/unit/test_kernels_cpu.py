@@ -121,3 +121,37 @@ def test_silu_mul_matches_torch(kernels, inter):
     torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-12, rtol=2e-6)
     with pytest.raises(RuntimeError, match="silu_mul"):
         kernels.silu_mul(gate_up[:, 1:])
+
+
+def test_sample_rows_follows_softmax_and_never_draws_filtered_tokens(kernels):
+    """Inverse-CDF draws: frequencies match softmax(x) (chi-square, p = 0.001), -inf and NaN
+    entries are never drawn, whatever u is, and the row width need not be a multiple of 16."""
+    logits = torch.full((1, 37), float("-inf"))
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    cols = torch.tensor([0, 17, 30, 36])  # across a 16-lane chunk boundary and in the tail
+    logits[0, cols] = probs.log() + 3.0
+    logits[0, 5] = float("nan")
+    draws = 20000
+    gen = torch.Generator().manual_seed(0)
+    u = torch.rand(draws, dtype=torch.float64, generator=gen)
+    tokens = kernels.sample_rows(logits.expand(draws, 37).contiguous(), u)
+    counts = torch.bincount(tokens, minlength=37)
+    assert int(counts[cols].sum()) == draws
+    expected = probs * draws
+    chi2 = float((((counts[cols] - expected) ** 2) / expected).sum())
+    assert chi2 < 16.27, counts[cols].tolist()  # 3 degrees of freedom, p = 0.001
+    edges = torch.tensor([0.0, 0.1 - 1e-9, 0.1 + 1e-9, 1.0 - 1e-12], dtype=torch.float64)
+    got = kernels.sample_rows(logits.expand(4, 37).contiguous(), edges).tolist()
+    assert got == [0, 0, 17, 36]
+
+
+def test_sample_rows_rows_with_nothing_finite_to_weigh(kernels):
+    x = torch.randn(3, 40)
+    x[0] = float("-inf")
+    x[1, 7] = float("inf")
+    u = torch.tensor([0.5, 0.5, 0.999], dtype=torch.float64)
+    got = kernels.sample_rows(x, u).tolist()
+    assert got[:2] == [0, 7]
+    assert 0 <= got[2] < 40
+    with pytest.raises(RuntimeError, match="float64"):
+        kernels.sample_rows(x, u.float())

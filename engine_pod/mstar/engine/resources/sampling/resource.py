@@ -141,7 +141,8 @@ class SamplerResource(Resource):
         self._staged: _Stage | None = None
         #: Steps whose plan was a promoted pre-plan (tests and the GPU report read it).
         self.promotions = 0
-        #: the C++ row-wise argmax on CPU (13x torch's at 32 x 49152), or None
+        #: `cpu_kernels` on CPU: the row-wise argmax (13x torch's at 32 x 49152) and the
+        #: inverse-CDF draw for unseeded random rows; None elsewhere
         self._kernels = cpu_kernels.load() if self.device.type == "cpu" else None
 
     # -- per request ---------------------------------------------------------------------------
@@ -372,8 +373,7 @@ class SamplerResource(Resource):
             assert greedy_tok is not None
             tokens = greedy_tok
         else:
-            noise = self._noise_for(plan, x.shape[0])
-            tokens = self._argmax_rows(x.add_(noise))
+            tokens = self._draw(plan, x)
             if greedy_tok is not None:
                 assert plan.greedy is not None
                 tokens = torch.where(plan.greedy, greedy_tok, tokens)
@@ -407,6 +407,16 @@ class SamplerResource(Resource):
             self._counts.index_put_((rows, toks), torch.ones((), device=dev), accumulate=True)
 
     # -- internals -----------------------------------------------------------------------------
+    def _draw(self, plan: SamplerPlan, x: torch.Tensor) -> torch.Tensor:
+        """One token per row from softmax(x), x the processed logits (a work copy)."""
+        if self._kernels is not None and plan.seeded_rows is None and x.stride(1) == 1:
+            # One uniform per row, inverse CDF in C++: the same distribution as Gumbel-max
+            # without noise for every vocab entry.
+            u = torch.rand(x.shape[0], dtype=torch.float64, generator=self.generator)
+            out: torch.Tensor = self._kernels.sample_rows(x, u)
+            return out
+        return self._argmax_rows(x.add_(self._noise_for(plan, x.shape[0])))
+
     def _argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None and x.dtype == torch.float32 and x.stride(1) == 1:
             out: torch.Tensor = self._kernels.argmax_rows(x)
