@@ -55,6 +55,9 @@ def make(
             page_size=PS,
             host_offload_pages=host_pages,
             enable_prefix_cache=True,
+            # Copies land inline: which step an offload lands in decides the next eviction,
+            # and a copy thread made that depend on the host's load (one CI failure).
+            async_copy=False,
         )
     )
     resources = {KV: kv, ATTN: Resource(), ROPE: Resource(), SAMPLER: SamplerResource(16)}
