@@ -566,7 +566,7 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor u) {
       }
       const double target = us[r] * total;
       double cum = 0;
-      int64_t at = -1, last = 0;
+      int64_t at = -1;
       for (int64_t c = 0; c * W < vocab && at < 0; ++c) {
         if (cum + chunk[c] <= target) {
           cum += chunk[c];
@@ -580,14 +580,9 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor u) {
           }
         }
       }
-      if (at < 0) {  // rounding left the target past the sum: the last token with weight
-        for (int64_t i = vocab - 1; i >= 0; --i)
-          if (e[i] > 0) {
-            last = i;
-            break;
-          }
-        at = last;
-      }
+      // Rounding can leave the target past the sum: then the last token with weight.
+      for (int64_t i = vocab - 1; at < 0 && i >= 0; --i)
+        if (e[i] > 0) at = i;
       o[r] = at;
     }
   });
@@ -604,7 +599,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
                   cos.numel() == x.size(0) * half && sin.numel() == cos.numel(),
               "rope_: cos / sin must be contiguous [T, 1, D/2]");
   rotate_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), half,
-                     cos.data_ptr<float>(), sin.data_ptr<float>());
+              cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 """
 
