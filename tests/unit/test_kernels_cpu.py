@@ -155,3 +155,12 @@ def test_sample_rows_rows_with_nothing_finite_to_weigh(kernels):
     assert 0 <= got[2] < 40
     with pytest.raises(RuntimeError, match="float64"):
         kernels.sample_rows(x, u.float())
+
+
+def test_write_kv_converts_a_v_of_another_dtype_like_the_torch_path(kernels):
+    """k matches the cache and v does not: the copy kernel is skipped, v is converted."""
+    pool = torch.zeros(2, 2, 4, 1, 16)
+    k = torch.randn(2, 1, 16)
+    v = torch.randn(2, 1, 16, dtype=torch.float64)
+    write_kv(pool, k, v, torch.tensor([1, 6]))
+    assert torch.equal(pool[0, 0, 1], k[0]) and torch.equal(pool[1, 1, 2], v[1].float())

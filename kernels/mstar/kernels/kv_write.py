@@ -38,6 +38,7 @@ def write_kv(
         kernels is not None
         and kv_layer.is_contiguous()
         and k.dtype == kv_layer.dtype
+        and v.dtype == kv_layer.dtype
         and cpu_kernels.heads_contiguous(k)
         and cpu_kernels.heads_contiguous(v)
     ):
