@@ -225,20 +225,13 @@ class TorchPagedAttention:
         if kernel is not None and len(self._groups) == 1 and self._groups[0].q_max == 1:
             # Decode rows only: row i is sequence i, so the kernel reads q in place (a view of
             # the fused QKV rows) and its output is the answer, no gather or scatter.
-            g = self._groups[0]
             rows = q if cpu_kernels.heads_contiguous(q) else q.contiguous()
-            page_table = g.page_table.view(g.batch, -1)
-            out: torch.Tensor = kernel.paged_decode(
-                rows, kv_layer, page_table, g.kv_lens, self._scale
-            )
-            return out
+            return self._kernel_decode(kernel, self._groups[0], rows, kv_layer)
         out = q.new_empty(q.shape)
         for g in self._groups:
             if g.q_max == 1 and kernel is not None:
                 qg = q.index_select(0, g.q_rows)  # [B, Hq, D], contiguous
-                page_table = g.page_table.view(g.batch, -1)
-                o = kernel.paged_decode(qg, kv_layer, page_table, g.kv_lens, self._scale)
-                out.index_copy_(0, g.out_dst, o)
+                out.index_copy_(0, g.out_dst, self._kernel_decode(kernel, g, qg, kv_layer))
                 continue
             length = g.pages_max * self._page_size
             k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
@@ -276,6 +269,14 @@ class TorchPagedAttention:
                     qb, kb, vb, attn_mask=mask, scale=self._scale, enable_gqa=gqa
                 )
             out[start : start + n] = o[0].transpose(0, 1)
+
+    def _kernel_decode(
+        self, kernel: Any, g: _Group, q: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        """`cpu_kernels.paged_decode` over a one-query group; q [B, Hq, D], row b = sequence b."""
+        page_table = g.page_table.view(g.batch, -1)
+        out: torch.Tensor = kernel.paged_decode(q, kv_layer, page_table, g.kv_lens, self._scale)
+        return out
 
     def _decode_kernel_for(self, q: torch.Tensor, kv_layer: torch.Tensor) -> Any | None:
         """The C++ decode kernel if it handles this layer, else None (torch path)."""
