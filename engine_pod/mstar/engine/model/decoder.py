@@ -11,6 +11,7 @@ small model fast on CPU.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Protocol
 
 import torch
@@ -72,10 +73,24 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-#: float32 batches below this many rows keep MKL's ``F.linear``: measured on a 2-core AVX-512
-#: Xeon over SmolLM2's four projections, oneDNN's packed float32 kernel is 1.45x slower at 1-2
-#: rows and 1.35x / 1.27x / 1.14x faster at 8 / 32 / 64 (the LM head: 2.0x faster at 8).
-FLOAT32_PACKED_MIN_ROWS = 8
+#: float32 batches below this many rows keep MKL's ``F.linear`` on Intel CPUs: measured on a
+#: 2-core AVX-512 Xeon over SmolLM2's four projections, oneDNN's packed float32 kernel is 1.45x
+#: slower at 1-2 rows and 1.35x / 1.27x / 1.14x faster at 8 / 32 / 64 (the LM head: 2.0x faster
+#: at 8). Elsewhere MKL's sgemm is slow at few rows: on a 2-core AMD EPYC (Zen 4) the packed
+#: kernel was 1.5x / 2.8x / 3.2x faster at 1 / 2 / 4 rows, so every batch takes it.
+INTEL_FLOAT32_PACKED_MIN_ROWS = 8
+
+
+@functools.cache
+def float32_packed_min_rows() -> int:
+    """Rows from which float32 linears take oneDNN's packed kernel (see the constant above)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            intel = any(ln.startswith("vendor_id") and "GenuineIntel" in ln for ln in f)
+    except OSError:
+        intel = True  # unknown: keep both kernels, the choice measured first
+    return INTEL_FLOAT32_PACKED_MIN_ROWS if intel else 0
+
 
 #: Where the CPU has no bf16 math, bf16 batches from this many rows multiply float32 copies of
 #: their weights. oneDNN emulates bf16 GEMMs there: on a 2-core AVX-512 Xeon without
@@ -102,8 +117,8 @@ class PackedLinear(nn.Module):
 
     ``F.linear`` re-lays a bf16 weight out on every call; that made SmolLM2's bf16 linears 1.6x
     slower at one token and 2.2x at 32 (micro-benchmark on a 2-core AVX-512 Xeon). In float32,
-    oneDNN wins only from `FLOAT32_PACKED_MIN_ROWS` rows up, so a float32 layer keeps its plain
-    weight too and small batches use it. Packed results are rounded differently from
+    on Intel, oneDNN wins only from `float32_packed_min_rows` rows up, so a float32 layer there
+    keeps its plain weight too and small batches use it. Packed results are rounded differently from
     ``F.linear``'s (not bit-identical); the exactness tests against transformers cover both.
 
     ``float32_gemm`` (bf16 weights on a CPU without bf16 math, see `BF16_FLOAT32_GEMM_MIN_ROWS`):
@@ -124,8 +139,8 @@ class PackedLinear(nn.Module):
         self.weight: torch.Tensor | None = None
         self.few_rows_weight: torch.Tensor | None = None
         self.float32_bias: torch.Tensor | None = None
-        if weight.dtype == torch.float32:
-            self.min_rows = FLOAT32_PACKED_MIN_ROWS
+        if weight.dtype == torch.float32 and float32_packed_min_rows() > 1:
+            self.min_rows = float32_packed_min_rows()
             self.weight = linear.weight
         elif float32_gemm and weight.dtype == torch.bfloat16:
             self.min_rows = BF16_FLOAT32_GEMM_MIN_ROWS
