@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from external_tools import require_tool
 
+from mstar.engine.model.decoder import RMSNorm
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.kernels import cpu_kernels, write_kv
 
@@ -38,21 +39,41 @@ def test_add_rms_norm_matches_torch(kernels, rows, hidden):
     torch.testing.assert_close(x, expected, atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (33, 576), (130, 100)])
+def test_add_rms_norm_bf16_rounds_where_the_torch_path_rounds(kernels, rows, hidden):
+    """bf16: the residual is the bf16 sum, bit-exact; the norm matches HF's bf16 RMSNorm (float32
+    statistics, bf16 before the weight) but for a rare one-ulp flip from the float32 sum order."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16()
+    norm = RMSNorm(hidden, 1e-6, torch.bfloat16)
+    norm.weight.data = (torch.rand(hidden, generator=gen) + 0.5).bfloat16()
+    summed = residual + x
+    expected = norm(summed)
+    kernels.add_rms_norm_(x, residual, norm.weight.data, 1e-6)
+    assert torch.equal(residual, summed)
+    torch.testing.assert_close(x, expected, atol=0, rtol=2**-7)
+    assert (x == expected).float().mean() > 0.99
+
+
 def test_add_rms_norm_refuses_what_it_cannot_do(kernels):
     x = torch.randn(4, 32)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
         kernels.add_rms_norm_(x.bfloat16(), x.bfloat16(), torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        kernels.add_rms_norm_(x.double(), x.double(), torch.ones(32).double(), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.add_rms_norm_(x.t(), x.t(), torch.ones(4), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 96])
-def test_rope_is_bit_identical_to_the_torch_path(kernels, head_dim):
+def test_rope_is_bit_identical_to_the_torch_path(kernels, head_dim, dtype):
     """On a view of fused QKV rows (Q and K heads rotated together), half-widths with and
-    without a scalar tail."""
-    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    without a scalar tail; bf16 rounds each product and sum as torch's bf16 ops do."""
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, dtype=dtype)
     tokens, heads = 9, 5
-    fused = torch.randn(tokens, (heads + 2) * head_dim)
+    fused = torch.randn(tokens, (heads + 2) * head_dim).to(dtype)
     qk = fused[:, : heads * head_dim].view(tokens, heads, head_dim)
     cos, sin = rope.lookup(torch.tensor([0, 1, 2, 100, 511, 7, 7, 300, 64]))
     expected = qk.clone()
@@ -121,6 +142,21 @@ def test_silu_mul_matches_torch(kernels, inter):
     torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-12, rtol=2e-6)
     with pytest.raises(RuntimeError, match="silu_mul"):
         kernels.silu_mul(gate_up[:, 1:])
+
+
+def test_silu_mul_bf16_rounds_like_silu_then_mul(kernels):
+    """bf16: F.silu(gate) rounds to bf16 before the product; the kernel's exponential can flip
+    a rounding now and then, never by more than one bf16 ulp."""
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(33, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.split([1536, 1536], dim=-1)
+    expected = F.silu(gate).mul_(up)
+    got = kernels.silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=0, rtol=2**-7)
+    assert (got == expected).float().mean() > 0.99
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.silu_mul(gate_up.half())
 
 
 def test_sample_rows_follows_softmax_and_never_draws_filtered_tokens(kernels):

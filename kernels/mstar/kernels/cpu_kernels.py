@@ -9,10 +9,12 @@
   caches; bf16 loads widen to float32 and the output rounds back once.
 - ``write_kv``: a step's new K/V rows into a layer's pages, one copy per token (the torch path
   computes slot rows and runs two ``index_copy_`` per layer).
-- ``add_rms_norm_``: the residual add and HF's RMSNorm in one pass (float32).
-- ``rope_``: rotate_half RoPE on Q and K in place (float32), bit-identical to the torch ops.
-- ``silu_mul``: SiLU(gate) * up from the fused gate/up output in one pass (float32; its own
-  vectorised exp, so within float32 rounding of torch's, not bit-equal).
+- ``add_rms_norm_``: the residual add and HF's RMSNorm in one pass (float32 or bf16, rounded
+  to bf16 where torch's ops round).
+- ``rope_``: rotate_half RoPE on Q and K in place (float32 or bf16), bit-identical to the torch
+  ops.
+- ``silu_mul``: SiLU(gate) * up from the fused gate/up output in one pass (float32 or bf16; its
+  own vectorised exp, so within float32 rounding of torch's before any bf16 rounding).
 - ``sample_rows``: one draw per row from softmax(logits) by inverse CDF with one uniform per
   row (the torch path draws Gumbel noise for every vocab entry: uniform, two logs, an add).
 - ``argmax_rows``: the sampler's greedy argmax over a [rows, vocab] float32 batch, one row per
@@ -76,6 +78,38 @@ inline f16v load(const c10::BFloat16* p) {
   return v;
 }
 inline void store(float* p, f16v v) { std::memcpy(p, &v, sizeof v); }
+
+// Rounding float lanes to T's precision, as torch rounds each op's float result: identity for
+// float, round-to-nearest-even to bf16 (NaN -> bf16 NaN) for BFloat16, as c10::BFloat16 does.
+template <typename T>
+inline f16v narrow(f16v v);
+template <>
+inline f16v narrow<float>(f16v v) {
+  return v;
+}
+template <>
+inline f16v narrow<c10::BFloat16>(f16v v) {
+  u32v u;
+  std::memcpy(&u, &v, sizeof u);
+  u32v r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const u32v nan = reinterpret_cast<u32v>(v != v);
+  r = (r & ~nan) | (nan & 0x7fc00000u);
+  f16v out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+}
+template <typename T>
+inline float narrow1(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+// Stores 16 lanes as bf16, rounding them first (a no-op on lanes `narrow` already rounded).
+inline void store(c10::BFloat16* p, f16v v) {
+  u32v u;
+  const f16v r = narrow<c10::BFloat16>(v);
+  std::memcpy(&u, &r, sizeof u);
+  const u16v h = __builtin_convertvector(u >> 16, u16v);
+  std::memcpy(p, &h, sizeof h);
+}
 
 inline float hsum(f16v v) {
   f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -299,34 +333,95 @@ inline V rounded(V v) {
   return v;
 }
 
-// x1 * c - x2 * s and x2 * c + x1 * s with every product and sum rounded on its own:
-// bit-identical to the same expression in torch ops. V is f16v (16 lanes) or float (a tail).
-template <typename V>
-inline void rotate(float* x1, float* x2, const float* c, const float* s) {
-  V a, b, cv, sv;
-  std::memcpy(&a, x1, sizeof a);
-  std::memcpy(&b, x2, sizeof b);
-  std::memcpy(&cv, c, sizeof cv);
-  std::memcpy(&sv, s, sizeof sv);
-  const V n1 = rounded(a * cv) - rounded(b * sv);
-  const V n2 = rounded(b * cv) + rounded(a * sv);
-  std::memcpy(x1, &n1, sizeof n1);
-  std::memcpy(x2, &n2, sizeof n2);
+// x1 * c - x2 * s and x2 * c + x1 * s with every product and sum rounded on its own to T:
+// bit-identical to the same expression in torch ops on T tensors.
+template <typename T>
+inline void rotate16(T* x1, T* x2, const T* c, const T* s) {
+  const f16v a = load(x1), b = load(x2), cv = load(c), sv = load(s);
+  const f16v n1 = narrow<T>(narrow<T>(rounded(a * cv)) - narrow<T>(rounded(b * sv)));
+  const f16v n2 = narrow<T>(narrow<T>(rounded(b * cv)) + narrow<T>(rounded(a * sv)));
+  store(x1, n1);
+  store(x2, n2);
+}
+template <typename T>
+inline void rotate1(T* x1, T* x2, const T* c, const T* s) {
+  const float a = *x1, b = *x2, cv = *c, sv = *s;
+  *x1 = static_cast<T>(narrow1<T>(rounded(a * cv)) - narrow1<T>(rounded(b * sv)));
+  *x2 = static_cast<T>(narrow1<T>(rounded(b * cv)) + narrow1<T>(rounded(a * sv)));
 }
 
-void rotate_rows(float* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t half,
-                 const float* cos, const float* sin) {
+template <typename T>
+void rotate_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t half,
+                 const T* cos, const T* sin) {
   const int64_t vec_end = half / W * W;
   for (int64_t t = 0; t < rows; ++t) {
-    const float* c = cos + t * half;
-    const float* s = sin + t * half;
+    const T* c = cos + t * half;
+    const T* s = sin + t * half;
     for (int64_t h = 0; h < heads; ++h) {
-      float* x1 = x + t * row_stride + h * 2 * half;
-      float* x2 = x1 + half;
-      for (int64_t i = 0; i < vec_end; i += W) rotate<f16v>(x1 + i, x2 + i, c + i, s + i);
-      for (int64_t i = vec_end; i < half; ++i) rotate<float>(x1 + i, x2 + i, c + i, s + i);
+      T* x1 = x + t * row_stride + h * 2 * half;
+      T* x2 = x1 + half;
+      for (int64_t i = 0; i < vec_end; i += W) rotate16(x1 + i, x2 + i, c + i, s + i);
+      for (int64_t i = vec_end; i < half; ++i) rotate1(x1 + i, x2 + i, c + i, s + i);
     }
   }
+}
+
+// residual += x, then x = weight * (residual * rsqrt(mean(residual^2) + eps)) in place, each
+// step rounded to T where torch's ops round (HF's RMSNorm: sum of squares in float32).
+template <typename T>
+void add_rms_norm_rows(T* xs, T* rs, const T* w, int64_t rows, int64_t hidden, float eps) {
+  const int64_t vec_end = hidden / W * W;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* xr = xs + t * hidden;
+      T* rr = rs + t * hidden;
+      f16v acc = f16v{};
+      for (int64_t i = 0; i < vec_end; i += W) {
+        const f16v r = narrow<T>(load(rr + i) + load(xr + i));
+        store(rr + i, r);
+        acc += r * r;
+      }
+      float ss = hsum(acc);
+      for (int64_t i = vec_end; i < hidden; ++i) {
+        const float r = narrow1<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        rr[i] = static_cast<T>(r);
+        ss += r * r;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      for (int64_t i = 0; i < vec_end; i += W)
+        store(xr + i, load(w + i) * narrow<T>(load(rr + i) * inv));
+      for (int64_t i = vec_end; i < hidden; ++i)
+        xr[i] = static_cast<T>(static_cast<float>(w[i]) *
+                               narrow1<T>(static_cast<float>(rr[i]) * inv));
+    }
+  });
+}
+
+// silu(gate) * up for rows of [gate | up]: torch's silu, x / (1 + exp(-x)) with `vexp`, rounded
+// to T before the product as F.silu(gate).mul_(up) rounds.
+template <typename T>
+void silu_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
+  const int64_t vec_end = inter / W * W;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = xs + t * 2 * inter;
+      const T* up = gate + inter;
+      T* dst = o + t * inter;
+      for (int64_t i = 0; i < vec_end; i += W) {
+        const f16v g = load(gate + i);
+        store(dst + i, narrow<T>(g / (1.f + vexp(-g))) * load(up + i));
+      }
+      for (int64_t i = vec_end; i < inter; ++i) {
+        const float g = gate[i];
+        dst[i] = static_cast<T>(narrow1<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// float32 or bfloat16, the same for every tensor of a glue op.
+bool glue_dtype(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16;
 }
 
 }  // namespace
@@ -399,63 +494,34 @@ void write_kv(torch::Tensor kv_layer, torch::Tensor k, torch::Tensor v, torch::T
   }
 }
 
-// float32: residual += x, then x = weight * (residual * rsqrt(mean(residual^2) + eps)), both
-// in place; HF's RMSNorm order of operations after the sum of squares.
+// x, residual [T, H] and weight [H], all float32 or all bf16: see `add_rms_norm_rows`.
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && residual.scalar_type() == torch::kFloat32 &&
-                  weight.scalar_type() == torch::kFloat32, "add_rms_norm_: float32 only");
+  TORCH_CHECK(glue_dtype(x) && residual.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: x, residual and weight all float32 or all bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
                   weight.is_contiguous() && residual.sizes() == x.sizes() &&
                   weight.dim() == 1 && weight.size(0) == x.size(1),
               "add_rms_norm_: x and residual [T, H] contiguous, weight [H]");
-  const int64_t rows = x.size(0), hidden = x.size(1), vec_end = hidden / W * W;
-  float* xs = x.data_ptr<float>();
-  float* rs = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
   const float epsf = static_cast<float>(eps);
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* xr = xs + t * hidden;
-      float* rr = rs + t * hidden;
-      f16v acc = f16v{};
-      for (int64_t i = 0; i < vec_end; i += W) {
-        const f16v r = load(rr + i) + load(xr + i);
-        store(rr + i, r);
-        acc += r * r;
-      }
-      float ss = hsum(acc);
-      for (int64_t i = vec_end; i < hidden; ++i) {
-        rr[i] += xr[i];
-        ss += rr[i] * rr[i];
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + epsf);
-      for (int64_t i = 0; i < hidden; ++i) xr[i] = w[i] * (rr[i] * inv);
-    }
-  });
+  if (x.scalar_type() == torch::kFloat32)
+    add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                      x.size(0), x.size(1), epsf);
+  else
+    add_rms_norm_rows(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(),
+                      weight.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), epsf);
 }
 
-// float32 silu(gate) * up for x [T, 2I] (gate | up, the fused projection's output) into
-// [T, I]: torch's silu formula, x / (1 + exp(-x)), with `vexp` for the exponential.
+// x [T, 2I] (gate | up, the fused projection's output), float32 or bf16 -> [T, I].
 torch::Tensor silu_mul(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() &&
-                  x.size(1) % 2 == 0, "silu_mul: float32 contiguous [T, 2I]");
-  const int64_t rows = x.size(0), inter = x.size(1) / 2, vec_end = inter / W * W;
+  TORCH_CHECK(glue_dtype(x) && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_mul: float32 or bfloat16 contiguous [T, 2I]");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
   auto out = torch::empty({rows, inter}, x.options());
-  const float* xs = x.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* gate = xs + t * 2 * inter;
-      const float* up = gate + inter;
-      float* dst = o + t * inter;
-      for (int64_t i = 0; i < vec_end; i += W) {
-        const f16v g = load(gate + i);
-        store(dst + i, g / (1.f + vexp(-g)) * load(up + i));
-      }
-      for (int64_t i = vec_end; i < inter; ++i)
-        dst[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
-  });
+  if (x.scalar_type() == torch::kFloat32)
+    silu_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+  else
+    silu_mul_rows(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, inter);
   return out;
 }
 
@@ -589,17 +655,23 @@ torch::Tensor sample_rows(torch::Tensor x, torch::Tensor u) {
   return out;
 }
 
-// float32 RoPE in place on x [T, H, D] (rotate_half layout) with cos / sin [T, 1, D/2].
+// RoPE in place on x [T, H, D] (rotate_half layout) with cos / sin [T, 1, D/2], all float32
+// or all bf16.
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   check_head_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
-                  sin.scalar_type() == torch::kFloat32, "rope_: float32 only");
+  TORCH_CHECK(glue_dtype(x) && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "rope_: x, cos and sin all float32 or all bfloat16");
   const int64_t half = x.size(2) / 2;
   TORCH_CHECK(x.size(2) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == x.size(0) * half && sin.numel() == cos.numel(),
               "rope_: cos / sin must be contiguous [T, 1, D/2]");
-  rotate_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), half,
-              cos.data_ptr<float>(), sin.data_ptr<float>());
+  if (x.scalar_type() == torch::kFloat32)
+    rotate_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), half,
+                cos.data_ptr<float>(), sin.data_ptr<float>());
+  else
+    rotate_rows(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.stride(0), half,
+                cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>());
 }
 """
 
@@ -614,7 +686,7 @@ FUNCTIONS = (
     "sample_rows",
 )
 
-#: dtypes ``paged_decode`` handles (the other kernels: float32 only)
+#: dtypes ``paged_decode``, ``write_kv`` and the glue ops handle (the sampler's: float32 logits)
 DTYPES = (torch.float32, torch.bfloat16)
 
 #: head dims ``paged_decode`` is instantiated for (whole 16-float vectors, registers per row)

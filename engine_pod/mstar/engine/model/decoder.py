@@ -20,6 +20,7 @@ from torch import nn
 
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.rope import RotaryEmbedding
+from mstar.kernels import cpu_kernels
 
 
 class AttentionContext(Protocol):
@@ -62,11 +63,12 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x); with no residual yet, x is the residual.
 
         Overwrites ``x`` (a sublayer's fresh output), and ``residual`` on the kernel path, where
-        `cpu_kernels.add_rms_norm_` does the add and the norm in one pass over the rows.
+        `cpu_kernels.add_rms_norm_` does the add and the norm in one pass over the rows
+        (float32 or bf16).
         """
         if residual is None:
             return self(x), x
-        if kernels is not None and x.dtype == torch.float32:
+        if kernels is not None and x.dtype in cpu_kernels.DTYPES:
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x.add_(residual)
@@ -252,7 +254,7 @@ class DecoderLayer(nn.Module):
         h = self.o_proj(o.reshape(t, self.q_size))
         x, residual = self.post_attention_layernorm.add_forward(h, residual, kernels)
         gate_up = self.gate_up_proj(x)
-        if kernels is not None and gate_up.dtype == torch.float32:
+        if kernels is not None and gate_up.dtype in cpu_kernels.DTYPES:
             return self.down_proj(kernels.silu_mul(gate_up)), residual
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         # In place on fresh temporaries: two fewer allocations of [T, inter] per layer.
@@ -294,7 +296,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
-        #: `cpu_kernels.load()`'s extension for the float32 glue ops, or None (torch ops)
+        #: `cpu_kernels.load()`'s extension for the float32 and bf16 glue ops, or None (torch ops)
         self.cpu_kernels: Any | None = None
         self.rope = RotaryEmbedding(
             cfg.head_dim,

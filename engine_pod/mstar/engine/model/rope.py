@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mstar.engine.model.config import RopeScaling
+from mstar.kernels import cpu_kernels
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -74,9 +75,9 @@ class RotaryEmbedding:
     ) -> None:
         """Rotate ``x`` [T, H, D] in place by `lookup`'s tables (HF rotate_half layout).
 
-        ``kernels`` (`cpu_kernels.load()`'s extension) does float32 in one pass, same bits.
+        ``kernels`` (`cpu_kernels.load()`'s extension) does float32 or bf16 in one pass, same bits.
         """
-        if kernels is not None and x.dtype == torch.float32:
+        if kernels is not None and x.dtype in cpu_kernels.DTYPES:
             kernels.rope_(x, cos, sin)
             return
         half = self.head_dim // 2
