@@ -92,39 +92,39 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=[True, False], ids=["decode-kernel", "torch-gather"])
-def decode_kernel(request: pytest.FixtureRequest) -> bool:
-    """Both CPU decode paths: the C++ kernel reading pages in place, and the torch gather."""
+@pytest.fixture(params=[True, False], ids=["cpu-kernels", "torch-gather"])
+def use_kernels(request: pytest.FixtureRequest) -> bool:
+    """Both CPU paths: the C++ kernels reading pages in place, and the torch gather."""
     if request.param:
         require_tool("g++")
         require_tool("ninja")
     return bool(request.param)
 
 
-def test_decode_kernel_builds_here() -> None:
-    """With a compiler on the machine the CPU backend takes the C++ decode kernel."""
+def test_cpu_kernels_build_here() -> None:
+    """With a compiler on the machine the CPU backend takes the C++ attention kernels."""
     require_tool("g++")
     require_tool("ninja")
     assert cpu_kernels.load() is not None
-    assert TorchPagedAttention().uses_decode_kernel
-    assert not TorchPagedAttention(decode_kernel=False).uses_decode_kernel
+    assert TorchPagedAttention().uses_kernels
+    assert not TorchPagedAttention(use_kernels=False).uses_kernels
 
 
-def test_decode_kernel_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_kernels_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     cpu_kernels.load.cache_clear()
     try:
         assert cpu_kernels.load() is None
-        assert not TorchPagedAttention().uses_decode_kernel
+        assert not TorchPagedAttention().uses_kernels
     finally:
         cpu_kernels.load.cache_clear()
 
 
 @pytest.mark.parametrize("page_size,hq,hkv,specs", CASES)
-def test_torch_paged_matches_dense_reference(page_size, hq, hkv, specs, decode_kernel):
+def test_torch_paged_matches_dense_reference(page_size, hq, hkv, specs, use_kernels):
     d = 16
     pool, dense, q, plan = build_case(1, page_size, hq, hkv, d, specs)
-    backend = TorchPagedAttention(decode_kernel=decode_kernel)
+    backend = TorchPagedAttention(use_kernels=use_kernels)
     backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
     out = backend.run(q, pool)
     assert out.shape == q.shape
@@ -206,12 +206,12 @@ def test_bfloat16_close_to_reference():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reduced_precision_decode_rows_match_reference(
-    dtype: torch.dtype, decode_kernel: bool
+    dtype: torch.dtype, use_kernels: bool
 ) -> None:
     """Decode rows in bf16/fp16 (kernel or matmuls) beside a prefill row (SDPA path)."""
     specs = [(9, 1), (16, 1), (33, 1), (1, 1), (12, 5)]
     pool, dense, q, plan = build_case(7, 4, 9, 3, 16, specs, dtype=dtype)
-    backend = TorchPagedAttention(decode_kernel=decode_kernel)
+    backend = TorchPagedAttention(use_kernels=use_kernels)
     backend.plan(*plan, num_qo_heads=9, num_kv_heads=3, head_dim=16, page_size=4)
     for _ in range(2):  # the cached additive mask is reused by the next layer
         out = backend.run(q, pool)
@@ -226,11 +226,11 @@ def test_reduced_precision_decode_rows_match_reference(
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_real_head_dims(d: int, dtype: torch.dtype, decode_kernel: bool) -> None:
+def test_decode_kernel_real_head_dims(d: int, dtype: torch.dtype, use_kernels: bool) -> None:
     """Model-sized heads and long rows over scattered 16-token pages (SmolLM2's 9/3 heads)."""
     specs = [(1, 1), (16, 1), (17, 1), (250, 1), (96, 1)]
     pool, dense, q, plan = build_case(8, 16, 9, 3, d, specs, num_pages=40, dtype=dtype)
-    backend = TorchPagedAttention(decode_kernel=decode_kernel)
+    backend = TorchPagedAttention(use_kernels=use_kernels)
     backend.plan(*plan, num_qo_heads=9, num_kv_heads=3, head_dim=d, page_size=16)
     out = backend.run(q, pool)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -341,10 +341,69 @@ def test_decode_kernel_reads_q_in_place_from_fused_rows(page_size, hq, hkv, d):
     q_view = fused[:, : hq * d].view(len(specs), hq, d)
     assert not q_view.is_contiguous()
     backend = TorchPagedAttention()
-    assert backend.uses_decode_kernel
+    assert backend.uses_kernels
     backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
     out = backend.run(q_view, pool)
     for i, (k, v) in enumerate(dense):
         torch.testing.assert_close(
             out[i : i + 1].double(), reference(q[i : i + 1], k, v), atol=1e-5, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_kernel_prompts_and_chunks_from_fused_rows(d: int, dtype: torch.dtype) -> None:
+    """Fresh prompts and chunks after cached keys, across the kernel's 32-row blocks and its
+    4-row tails, beside decode rows; q a strided view of fused QKV rows, 16-token pages."""
+    require_tool("g++")
+    require_tool("ninja")
+    specs = [(70, 70), (1, 1), (140, 37), (5, 5), (33, 1), (200, 64), (2, 2)]
+    hq, hkv, page_size = 9, 3, 16
+    pool, dense, q, plan = build_case(10, page_size, hq, hkv, d, specs, 60, dtype)
+    rows = q.shape[0]
+    fused = torch.randn(rows, (hq + 2 * hkv) * d).to(dtype)
+    fused[:, : hq * d] = q.reshape(rows, -1)
+    q_view = fused[:, : hq * d].view(rows, hq, d)
+    backend = TorchPagedAttention()
+    assert backend.uses_kernels
+    backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    out = backend.run(q_view, pool)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    start = 0
+    for (k, v), (_, q_len) in zip(dense, specs, strict=True):
+        ref = reference(q[start : start + q_len], k, v)
+        torch.testing.assert_close(out[start : start + q_len].double(), ref, atol=tol, rtol=tol)
+        start += q_len
+
+
+def test_prefill_kernel_refuses_bad_lengths_and_pages() -> None:
+    require_tool("g++")
+    require_tool("ninja")
+    kernel = cpu_kernels.load()
+    assert kernel is not None
+    pool = torch.zeros(4, 2, 4, 1, 16)
+    q = torch.randn(6, 2, 16)
+    out = torch.empty_like(q)
+    i64 = torch.int64
+
+    def call(table, kv_len, q_len, start=0):
+        kernel.paged_prefill(
+            q,
+            pool,
+            torch.tensor([table], dtype=i64),
+            torch.tensor([kv_len]),
+            torch.tensor([start]),
+            torch.tensor([q_len]),
+            0.25,
+            out,
+        )
+
+    with pytest.raises(RuntimeError, match="bad lengths"):
+        call([0, 1], 5, 6)  # more queries than keys
+    with pytest.raises(RuntimeError, match="bad lengths"):
+        call([0, 1], 9, 2)  # more keys than the table's pages hold
+    with pytest.raises(RuntimeError, match="bad lengths"):
+        call([0, 1], 6, 2, start=5)  # rows past the end of q
+    with pytest.raises(RuntimeError, match="page 4 is outside the cache"):
+        call([0, 4], 6, 6)
+    call([2, 3], 6, 6)  # a valid call passes the same checks

@@ -1,4 +1,4 @@
-"""CPU kernels in C++ for the decode step: paged decode attention and the fused glue around it.
+"""CPU kernels in C++ for a step: paged attention and the fused glue around the GEMMs.
 
 - ``paged_decode``: decode attention reading K/V straight from the cache pages. The torch path
   gathers every page of every decode row into a padded head-major copy in every layer. This
@@ -7,6 +7,9 @@
   one transpose-and-add reduction per block instead of a horizontal sum per key, a vectorised
   softmax, values weighed with the group's accumulators in registers. float32 and bfloat16
   caches; bf16 loads widen to float32 and the output rounds back once.
+- ``paged_prefill``: causal attention for a step's prompt chunks over the same pages, fresh
+  prompts and chunks after cached keys alike (torch's SDPA, run per sequence on a gathered
+  copy, took 2x as long for a 140-token prompt with SmolLM2's heads).
 - ``write_kv``: a step's new K/V rows into a layer's pages, one copy per token (the torch path
   computes slot rows and runs two ``index_copy_`` per layer).
 - ``add_rms_norm_``: the residual add and HF's RMSNorm in one pass (float32 or bf16, rounded
@@ -320,6 +323,126 @@ void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
 #undef DECODE
 }
 
+// Causal attention for the several-query rows of a step (prompt chunks), keys read from the
+// cache pages (K/V are written before attending). Sequence b's queries are rows
+// q_start[b] .. + q_len[b] of q, the last q_len[b] of its kv_len[b] positions. One task per
+// (sequence, KV head, block of PF_ROWS query rows), handed out dynamically since later rows see
+// more keys: the task widens its keys once into float32 K^T [D, keys] and V [keys, D], then
+// for 4 query rows of a head at a time takes 16 scores per pass over D (one K load feeds 4
+// FMAs), a softmax in float32, and the value sum with 4 x D/16 accumulators in registers.
+constexpr int64_t PF_ROWS = 32;
+constexpr int PF_R = 4;
+
+template <typename T, int NV>
+void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* table,
+             int64_t max_pages, const int64_t* kv_lens, const int64_t* q_starts,
+             const int64_t* q_lens, int64_t batch, T* out, int64_t hq, int64_t hkv,
+             int64_t page_size, float scale) {
+  constexpr int64_t D = NV * W;
+  const int64_t group = hq / hkv, head_row = hkv * D;
+  std::vector<int64_t> items;  // (b, hk, first row) triples
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t hk = 0; hk < hkv; ++hk)
+      for (int64_t r0 = 0; r0 < q_lens[b]; r0 += PF_ROWS) items.insert(items.end(), {b, hk, r0});
+  const int64_t n_items = static_cast<int64_t>(items.size()) / 3;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t it = 0; it < n_items; ++it) {
+    const int64_t b = items[3 * it], hk = items[3 * it + 1], r0 = items[3 * it + 2];
+    const int64_t n = q_lens[b], first = kv_lens[b] - n, r1 = std::min(n, r0 + PF_ROWS);
+    const int64_t keys = first + r1, lp = (keys + W - 1) / W * W;
+    const int64_t* pt = table + b * max_pages;
+    auto key_row = [&](int64_t l, int64_t plane) {
+      return kv + ((pt[l / page_size] * 2 + plane) * page_size + l % page_size) * head_row +
+             hk * D;
+    };
+    std::vector<float> kt(D * lp, 0.f), vf(keys * D), sc(PF_R * lp);
+    for (int64_t l = 0; l < keys; ++l) {
+      const T* k = key_row(l, 0);
+      const T* v = key_row(l, 1);
+      for (int64_t c = 0; c < NV; ++c) {
+        const f16v kc = load(k + c * W);
+        for (int e = 0; e < W; ++e) kt[(c * W + e) * lp + l] = kc[e];
+        store(vf.data() + l * D + c * W, load(v + c * W));
+      }
+    }
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t i0 = r0; i0 < r1; i0 += PF_R) {
+        const int nr = static_cast<int>(std::min<int64_t>(PF_R, r1 - i0));
+        float qv[PF_R][D];
+        for (int i = 0; i < PF_R; ++i) {
+          const T* qr = q + (q_starts[b] + i0 + std::min(i, nr - 1)) * qs0 + h * qs1;
+          for (int64_t d = 0; d < D; ++d) qv[i][d] = static_cast<float>(qr[d]);
+        }
+        const int64_t hi = first + i0 + nr;  // keys the block's last row sees
+        for (int64_t j = 0; j < hi; j += W) {
+          f16v acc[PF_R] = {};
+#pragma GCC unroll 8
+          for (int64_t d = 0; d < D; ++d) {
+            const f16v kd = load(kt.data() + d * lp + j);
+#pragma GCC unroll 4
+            for (int i = 0; i < PF_R; ++i) acc[i] += qv[i][d] * kd;
+          }
+          for (int i = 0; i < PF_R; ++i) store(sc.data() + i * lp + j, acc[i] * scale);
+        }
+        float inv[PF_R];
+        for (int i = 0; i < PF_R; ++i) {
+          float* row = sc.data() + i * lp;
+          const int64_t lim = i < nr ? first + i0 + i + 1 : 0;  // keys row i sees
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, row[j]);
+          const int64_t vec_lim = lim / W * W;
+          f16v sum = f16v{};
+          for (int64_t j = 0; j < vec_lim; j += W) {
+            const f16v e = vexp(load(row + j) - mx);
+            store(row + j, e);
+            sum += e;
+          }
+          float total = hsum(sum);
+          for (int64_t j = vec_lim; j < lim; ++j) total += row[j] = std::exp(row[j] - mx);
+          for (int64_t j = lim; j < hi; ++j) row[j] = 0.f;
+          inv[i] = lim > 0 ? 1.f / total : 0.f;
+        }
+        f16v o[PF_R][NV] = {};
+        for (int64_t j = 0; j < hi; ++j) {
+          const float* vr = vf.data() + j * D;
+          f16v vv[NV];
+#pragma GCC unroll 16
+          for (int v = 0; v < NV; ++v) vv[v] = load(vr + v * W);
+#pragma GCC unroll 4
+          for (int i = 0; i < PF_R; ++i) {
+            const float pj = sc[i * lp + j];
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; ++v) o[i][v] += pj * vv[v];
+          }
+        }
+        for (int i = 0; i < nr; ++i) {
+          T* dst = out + ((q_starts[b] + i0 + i) * hq + h) * D;
+          for (int v = 0; v < NV; ++v) store(dst + v * W, o[i][v] * inv[i]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
+                 const int64_t* table, int64_t max_pages, const int64_t* kv_lens,
+                 const int64_t* q_starts, const int64_t* q_lens, int64_t batch, T* out,
+                 int64_t hq, int64_t hkv, int64_t page_size, float scale) {
+#define PREFILL(NV)                                                                          \
+  prefill<T, NV>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts, q_lens, batch, out, hq, \
+                 hkv, page_size, scale)
+  switch (dim) {
+    case 16: return PREFILL(1);
+    case 32: return PREFILL(2);
+    case 64: return PREFILL(4);
+    case 128: return PREFILL(8);
+    case 256: return PREFILL(16);
+    default: TORCH_CHECK(false, "paged_prefill: head_dim must be 16, 32, 64, 128 or 256");
+  }
+#undef PREFILL
+}
+
 // Rows of a [T, H, D] view whose heads are contiguous rows of D (a slice of a fused QKV row).
 void check_head_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
@@ -458,6 +581,55 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
   }
   return out;
+}
+
+// Causal attention of the several-query sequences of a step, writing their rows of out
+// [T, Hq, D] (contiguous): q [T, Hq, D] (heads contiguous), kv_layer [pages, 2, S, Hkv, D],
+// page_table int64 [B, max_pages], kv_lens / q_starts / q_lens int64 [B].
+void paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_table,
+                   torch::Tensor kv_lens, torch::Tensor q_starts, torch::Tensor q_lens,
+                   double scale, torch::Tensor out) {
+  check_head_rows(q, "q");
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2 && kv_layer.is_contiguous(),
+              "kv_layer must be a contiguous [pages, 2, S, H, D]");
+  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and the cache differ in dtype");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  const int64_t batch = kv_lens.size(0), hq = q.size(1), hkv = kv_layer.size(3);
+  for (const auto* t : {&page_table, &kv_lens, &q_starts, &q_lens})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kInt64,
+                "page table and lengths must be contiguous int64");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch && q_starts.size(0) == batch &&
+                  q_lens.size(0) == batch, "page table and lengths differ in batch");
+  TORCH_CHECK(hq % hkv == 0 && q.size(2) == kv_layer.size(4), "head counts / dims do not match");
+  const int64_t max_pages = page_table.size(1), page_size = kv_layer.size(2);
+  const int64_t pages = kv_layer.size(0);
+  const auto* lens = kv_lens.data_ptr<int64_t>();
+  const auto* starts = q_starts.data_ptr<int64_t>();
+  const auto* qlens = q_lens.data_ptr<int64_t>();
+  const auto* table = page_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(qlens[b] >= 1 && qlens[b] <= lens[b] && starts[b] >= 0 &&
+                    starts[b] + qlens[b] <= q.size(0) && lens[b] <= max_pages * page_size,
+                "paged_prefill: sequence ", b, " has bad lengths");
+    for (int64_t j = 0; j < (lens[b] + page_size - 1) / page_size; ++j)
+      TORCH_CHECK(table[b * max_pages + j] >= 0 && table[b * max_pages + j] < pages,
+                  "paged_prefill: page ", table[b * max_pages + j], " is outside the cache");
+  }
+  const float s = static_cast<float>(scale);
+  const int64_t dim = q.size(2);
+  if (q.scalar_type() == torch::kFloat32) {
+    prefill_dim<float>(dim, q.data_ptr<float>(), q.stride(0), q.stride(1),
+                       kv_layer.data_ptr<float>(), table, max_pages, lens, starts, qlens, batch,
+                       out.data_ptr<float>(), hq, hkv, page_size, s);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    prefill_dim<c10::BFloat16>(dim, q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
+                               kv_layer.data_ptr<c10::BFloat16>(), table, max_pages, lens, starts,
+                               qlens, batch, out.data_ptr<c10::BFloat16>(), hq, hkv, page_size,
+                               s);
+  } else {
+    TORCH_CHECK(false, "paged_prefill: float32 or bfloat16 only");
+  }
 }
 
 // Copy k, v [T, Hkv, D] into kv_layer [pages, 2, S, Hkv, D] at flat slots (page * S + offset).
@@ -678,6 +850,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 #: what the extension exports
 FUNCTIONS = (
     "paged_decode",
+    "paged_prefill",
     "write_kv",
     "add_rms_norm_",
     "rope_",

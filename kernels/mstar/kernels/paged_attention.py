@@ -10,7 +10,8 @@ per-step work that must not be repeated 30 times.
 for at most two groups of sequences (decode rows with one query, and extend rows with several),
 a padded page table and a boolean mask; ``run`` gathers the group's K and V rows straight into
 the head-major layout the matmuls read, in one ``index_select``, and attends once per group.
-On CPU the decode group skips the gather: `cpu_kernels.paged_decode` reads the pages in place.
+On CPU both groups skip the gather: `cpu_kernels.paged_decode` (one query) and
+`cpu_kernels.paged_prefill` (causal prompt chunks) read the pages in place.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class _Group:
     pages_max: int
     #: per sequence (first query row, queries, keys), for the extend path's per-row attention
     spans: list[tuple[int, int, int]] = field(default_factory=list)
+    #: int64 [B] first query row and query count of each sequence (`cpu_kernels.paged_prefill`)
+    q_starts: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
     #: additive form of ``mask`` in a reduced-precision dtype, built at that dtype's first use
     bias: torch.Tensor | None = None
     #: rows of a layer viewed as ``[-1, head_dim]`` for K then V, head-major (see `_kv_rows`)
@@ -102,10 +106,10 @@ def validate_plan(
 class TorchPagedAttention:
     """Batched paged attention in plain torch (CPU, or any device as a reference)."""
 
-    def __init__(self, device: torch.device | str = "cpu", *, decode_kernel: bool = True) -> None:
-        """``decode_kernel``: use `cpu_kernels` for one-query rows on CPU where it builds."""
+    def __init__(self, device: torch.device | str = "cpu", *, use_kernels: bool = True) -> None:
+        """``use_kernels``: attend with `cpu_kernels` on CPU where they build."""
         self.device = torch.device(device)
-        use = decode_kernel and self.device.type == "cpu"
+        use = use_kernels and self.device.type == "cpu"
         self._kernel = cpu_kernels.load() if use else None
         self._groups: list[_Group] = []
         self._num_tokens = 0
@@ -117,8 +121,8 @@ class TorchPagedAttention:
         self._causal = True
 
     @property
-    def uses_decode_kernel(self) -> bool:
-        """True when one-query rows go to the C++ kernel (CPU, built, not switched off)."""
+    def uses_kernels(self) -> bool:
+        """True when attention goes to the C++ kernels (CPU, built, not switched off)."""
         return self._kernel is not None
 
     def plan(
@@ -214,6 +218,8 @@ class TorchPagedAttention:
             q_max=q_max,
             pages_max=pages_max,
             spans=list(zip(qo[seqs].tolist(), q_lens.tolist(), kv_lens.tolist(), strict=True)),
+            q_starts=qo[seqs].to(dev),
+            q_lens=q_lens.to(dev),
         )
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -221,17 +227,25 @@ class TorchPagedAttention:
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         hq, d = self._num_qo_heads, self._head_dim
-        kernel = self._decode_kernel_for(q, kv_layer)
+        kernel = self._kernel_for(q, kv_layer)
+        if kernel is not None and not cpu_kernels.heads_contiguous(q):
+            q = q.contiguous()
         if kernel is not None and len(self._groups) == 1 and self._groups[0].q_max == 1:
             # Decode rows only: row i is sequence i, so the kernel reads q in place (a view of
             # the fused QKV rows) and its output is the answer, no gather or scatter.
-            rows = q if cpu_kernels.heads_contiguous(q) else q.contiguous()
-            return self._kernel_decode(kernel, self._groups[0], rows, kv_layer)
+            return self._kernel_decode(kernel, self._groups[0], q, kv_layer)
         out = q.new_empty(q.shape)
         for g in self._groups:
             if g.q_max == 1 and kernel is not None:
                 qg = q.index_select(0, g.q_rows)  # [B, Hq, D], contiguous
                 out.index_copy_(0, g.out_dst, self._kernel_decode(kernel, g, qg, kv_layer))
+                continue
+            if kernel is not None and self._causal:
+                # Prompt chunks: causal attention over the cache pages, rows written in place.
+                page_table = g.page_table.view(g.batch, -1)
+                kernel.paged_prefill(
+                    q, kv_layer, page_table, g.kv_lens, g.q_starts, g.q_lens, self._scale, out
+                )
                 continue
             length = g.pages_max * self._page_size
             k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
@@ -278,8 +292,8 @@ class TorchPagedAttention:
         out: torch.Tensor = kernel.paged_decode(q, kv_layer, page_table, g.kv_lens, self._scale)
         return out
 
-    def _decode_kernel_for(self, q: torch.Tensor, kv_layer: torch.Tensor) -> Any | None:
-        """The C++ decode kernel if it handles this layer, else None (torch path)."""
+    def _kernel_for(self, q: torch.Tensor, kv_layer: torch.Tensor) -> Any | None:
+        """The C++ attention kernels if they handle this layer, else None (torch path)."""
         fits = (
             q.dtype in cpu_kernels.DTYPES
             and kv_layer.dtype == q.dtype
