@@ -55,14 +55,13 @@ class _Group:
     q_rows: torch.Tensor  # int64 [B * q_max] row of q feeding each padded query slot
     out_src: torch.Tensor  # int64 [n] padded slot of each real query token
     out_dst: torch.Tensor  # int64 [n] its row in the flat output
+    q_starts: torch.Tensor  # int64 [B] first query row of each sequence (`paged_prefill`)
+    q_lens: torch.Tensor  # int64 [B] its query count
     batch: int
     q_max: int
     pages_max: int
     #: per sequence (first query row, queries, keys), for the extend path's per-row attention
     spans: list[tuple[int, int, int]] = field(default_factory=list)
-    #: int64 [B] first query row and query count of each sequence (`cpu_kernels.paged_prefill`)
-    q_starts: torch.Tensor | None = None
-    q_lens: torch.Tensor | None = None
     #: additive form of ``mask`` in a reduced-precision dtype, built at that dtype's first use
     bias: torch.Tensor | None = None
     #: rows of a layer viewed as ``[-1, head_dim]`` for K then V, head-major (see `_kv_rows`)
@@ -217,9 +216,9 @@ class TorchPagedAttention:
             batch=batch,
             q_max=q_max,
             pages_max=pages_max,
-            spans=list(zip(qo[seqs].tolist(), q_lens.tolist(), kv_lens.tolist(), strict=True)),
             q_starts=qo[seqs].to(dev),
             q_lens=q_lens.to(dev),
+            spans=list(zip(qo[seqs].tolist(), q_lens.tolist(), kv_lens.tolist(), strict=True)),
         )
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
