@@ -367,7 +367,14 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
       return kv + ((pt[l / page_size] * 2 + plane) * page_size + l % page_size) * head_row +
              hk * D;
     };
-    std::vector<float> kt(D * lp, 0.f), vf(keys * D), sc(PF_R * lp);
+    // Per-thread, grow-only: a long prompt's K^T / V run to megabytes, fresh ones per task
+    // would be mapped and faulted in every time. Only K^T's padding columns need zeros.
+    thread_local std::vector<float> kt, vf, sc;
+    kt.resize(std::max<size_t>(kt.size(), D * lp));
+    vf.resize(std::max<size_t>(vf.size(), keys * D));
+    sc.resize(std::max<size_t>(sc.size(), PF_R * lp));
+    for (int64_t d = 0; d < D; ++d)
+      std::fill(kt.begin() + d * lp + keys, kt.begin() + (d + 1) * lp, 0.f);
     for (int64_t l = 0; l < keys; ++l) {
       const T* k = key_row(l, 0);
       const T* v = key_row(l, 1);
@@ -559,6 +566,17 @@ bool glue_dtype(const torch::Tensor& x) {
   return x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16;
 }
 
+// Calls f with a value of x's element type (float or c10::BFloat16): one dispatch for every op.
+template <typename F>
+void by_dtype(const torch::Tensor& x, const char* op, F&& f) {
+  if (x.scalar_type() == torch::kFloat32)
+    f(float{});
+  else if (x.scalar_type() == torch::kBFloat16)
+    f(c10::BFloat16{});
+  else
+    TORCH_CHECK(false, op, ": float32 or bfloat16 only");
+}
+
 }  // namespace
 
 // q [B, Hq, D] (heads contiguous, any batch stride); kv_layer [pages, 2, S, Hkv, D];
@@ -579,19 +597,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
   auto out = torch::empty({batch, hq, dim}, q.options());
   const auto* table = page_table.data_ptr<int64_t>();
   const auto* lens = kv_lens.data_ptr<int64_t>();
-  const float s = static_cast<float>(scale);
-  if (q.scalar_type() == torch::kFloat32) {
-    decode_dim<float>(dim, q.data_ptr<float>(), q.stride(0), q.stride(1),
-                      kv_layer.data_ptr<float>(), table, lens, out.data_ptr<float>(), batch, hq,
-                      hkv, page_size, page_table.size(1), s);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_dim<c10::BFloat16>(dim, q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
-                              kv_layer.data_ptr<c10::BFloat16>(), table, lens,
-                              out.data_ptr<c10::BFloat16>(), batch, hq, hkv, page_size,
-                              page_table.size(1), s);
-  } else {
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
-  }
+  by_dtype(q, "paged_decode", [&](auto tag) {
+    using T = decltype(tag);
+    decode_dim<T>(dim, q.data_ptr<T>(), q.stride(0), q.stride(1), kv_layer.data_ptr<T>(), table,
+                  lens, out.data_ptr<T>(), batch, hq, hkv, page_size, page_table.size(1),
+                  static_cast<float>(scale));
+  });
   return out;
 }
 
@@ -628,20 +639,12 @@ void paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_t
       TORCH_CHECK(table[b * max_pages + j] >= 0 && table[b * max_pages + j] < pages,
                   "paged_prefill: page ", table[b * max_pages + j], " is outside the cache");
   }
-  const float s = static_cast<float>(scale);
-  const int64_t dim = q.size(2);
-  if (q.scalar_type() == torch::kFloat32) {
-    prefill_dim<float>(dim, q.data_ptr<float>(), q.stride(0), q.stride(1),
-                       kv_layer.data_ptr<float>(), table, max_pages, lens, starts, qlens, batch,
-                       out.data_ptr<float>(), hq, hkv, page_size, s);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    prefill_dim<c10::BFloat16>(dim, q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
-                               kv_layer.data_ptr<c10::BFloat16>(), table, max_pages, lens, starts,
-                               qlens, batch, out.data_ptr<c10::BFloat16>(), hq, hkv, page_size,
-                               s);
-  } else {
-    TORCH_CHECK(false, "paged_prefill: float32 or bfloat16 only");
-  }
+  by_dtype(q, "paged_prefill", [&](auto tag) {
+    using T = decltype(tag);
+    prefill_dim<T>(q.size(2), q.data_ptr<T>(), q.stride(0), q.stride(1), kv_layer.data_ptr<T>(),
+                   table, max_pages, lens, starts, qlens, batch, out.data_ptr<T>(), hq, hkv,
+                   page_size, static_cast<float>(scale));
+  });
 }
 
 // Copy k, v [T, Hkv, D] into kv_layer [pages, 2, S, Hkv, D] at flat slots (page * S + offset).
@@ -687,13 +690,11 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
                   weight.is_contiguous() && residual.sizes() == x.sizes() &&
                   weight.dim() == 1 && weight.size(0) == x.size(1),
               "add_rms_norm_: x and residual [T, H] contiguous, weight [H]");
-  const float epsf = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kFloat32)
-    add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
-                      x.size(0), x.size(1), epsf);
-  else
-    add_rms_norm_rows(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(),
-                      weight.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), epsf);
+  by_dtype(x, "add_rms_norm_", [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_rows(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), x.size(0),
+                      x.size(1), static_cast<float>(eps));
+  });
 }
 
 // x [T, 2I] (gate | up, the fused projection's output), float32 or bf16 -> [T, I].
@@ -702,10 +703,10 @@ torch::Tensor silu_mul(torch::Tensor x) {
               "silu_mul: float32 or bfloat16 contiguous [T, 2I]");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   auto out = torch::empty({rows, inter}, x.options());
-  if (x.scalar_type() == torch::kFloat32)
-    silu_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
-  else
-    silu_mul_rows(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, inter);
+  by_dtype(x, "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows(x.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
+  });
   return out;
 }
 
@@ -850,12 +851,11 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.size(2) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == x.size(0) * half && sin.numel() == cos.numel(),
               "rope_: cos / sin must be contiguous [T, 1, D/2]");
-  if (x.scalar_type() == torch::kFloat32)
-    rotate_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), half,
-                cos.data_ptr<float>(), sin.data_ptr<float>());
-  else
-    rotate_rows(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.stride(0), half,
-                cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>());
+  by_dtype(x, "rope_", [&](auto tag) {
+    using T = decltype(tag);
+    rotate_rows(x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0), half, cos.data_ptr<T>(),
+                sin.data_ptr<T>());
+  });
 }
 """
 
