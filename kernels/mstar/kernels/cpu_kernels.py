@@ -15,7 +15,8 @@
 - ``add_rms_norm_``: the residual add and HF's RMSNorm in one pass (float32 or bf16, rounded
   to bf16 where torch's ops round).
 - ``rope_``: rotate_half RoPE on Q and K in place (float32 or bf16), bit-identical to the torch
-  ops.
+  ops (bf16 denormals aside: where the CPU has AVX512-BF16, one VCVTNEPS2BF16 rounds to bf16,
+  and it flushes them to zero).
 - ``silu_mul``: SiLU(gate) * up from the fused gate/up output in one pass (float32 or bf16; its
   own vectorised exp, so within float32 rounding of torch's before any bf16 rounding).
 - ``sample_rows``: one draw per row from softmax(logits) by inverse CDF with one uniform per
@@ -97,6 +98,18 @@ template <>
 inline f16v narrow<float>(f16v v) {
   return v;
 }
+#if defined(__AVX512BF16__)
+// VCVTNEPS2BF16 rounds to nearest even in one instruction; unlike c10::BFloat16 it flushes
+// denormals to zero and keeps a NaN's sign and payload bits (still a NaN).
+template <>
+inline f16v narrow<c10::BFloat16>(f16v v) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+  return (f16v)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+inline void store(c10::BFloat16* p, f16v v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+}
+#else
 template <>
 inline f16v narrow<c10::BFloat16>(f16v v) {
   u32v u;
@@ -108,10 +121,6 @@ inline f16v narrow<c10::BFloat16>(f16v v) {
   std::memcpy(&out, &r, sizeof out);
   return out;
 }
-template <typename T>
-inline float narrow1(float v) {
-  return static_cast<float>(static_cast<T>(v));
-}
 // Stores 16 lanes as bf16, rounding them first (a no-op on lanes `narrow` already rounded).
 inline void store(c10::BFloat16* p, f16v v) {
   u32v u;
@@ -119,6 +128,11 @@ inline void store(c10::BFloat16* p, f16v v) {
   std::memcpy(&u, &r, sizeof u);
   const u16v h = __builtin_convertvector(u >> 16, u16v);
   std::memcpy(p, &h, sizeof h);
+}
+#endif
+template <typename T>
+inline float narrow1(float v) {
+  return static_cast<float>(static_cast<T>(v));
 }
 
 inline float hsum(f16v v) {
@@ -550,14 +564,12 @@ inline V rounded(V v) {
 }
 
 // x1 * c - x2 * s and x2 * c + x1 * s with every product and sum rounded on its own to T:
-// bit-identical to the same expression in torch ops on T tensors.
+// bit-identical to the same expression in torch ops on T tensors (`store` rounds the sums).
 template <typename T>
-inline void rotate16(T* x1, T* x2, const T* c, const T* s) {
-  const f16v a = load(x1), b = load(x2), cv = load(c), sv = load(s);
-  const f16v n1 = narrow<T>(narrow<T>(rounded(a * cv)) - narrow<T>(rounded(b * sv)));
-  const f16v n2 = narrow<T>(narrow<T>(rounded(b * cv)) + narrow<T>(rounded(a * sv)));
-  store(x1, n1);
-  store(x2, n2);
+inline void rotate16(T* x1, T* x2, f16v cv, f16v sv) {
+  const f16v a = load(x1), b = load(x2);
+  store(x1, narrow<T>(rounded(a * cv)) - narrow<T>(rounded(b * sv)));
+  store(x2, narrow<T>(rounded(b * cv)) + narrow<T>(rounded(a * sv)));
 }
 template <typename T>
 inline void rotate1(T* x1, T* x2, const T* c, const T* s) {
@@ -566,20 +578,30 @@ inline void rotate1(T* x1, T* x2, const T* c, const T* s) {
   *x2 = static_cast<T>(narrow1<T>(rounded(b * cv)) + narrow1<T>(rounded(a * sv)));
 }
 
+// A row's cos / sin vectors are loaded once for all its heads; rows split over the threads.
 template <typename T>
 void rotate_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t half,
                  const T* cos, const T* sin) {
   const int64_t vec_end = half / W * W;
-  for (int64_t t = 0; t < rows; ++t) {
-    const T* c = cos + t * half;
-    const T* s = sin + t * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      T* x1 = x + t * row_stride + h * 2 * half;
-      T* x2 = x1 + half;
-      for (int64_t i = 0; i < vec_end; i += W) rotate16(x1 + i, x2 + i, c + i, s + i);
-      for (int64_t i = vec_end; i < half; ++i) rotate1(x1 + i, x2 + i, c + i, s + i);
+  at::parallel_for(0, rows, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
+      T* xt = x + t * row_stride;
+      for (int64_t i = 0; i < vec_end; i += W) {
+        const f16v cv = load(c + i), sv = load(s + i);
+        for (int64_t h = 0; h < heads; ++h) {
+          T* x1 = xt + h * 2 * half + i;
+          rotate16(x1, x1 + half, cv, sv);
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t i = vec_end; i < half; ++i) {
+          T* x1 = xt + h * 2 * half + i;
+          rotate1(x1, x1 + half, c + i, s + i);
+        }
     }
-  }
+  });
 }
 
 // residual += x, then x = weight * (residual * rsqrt(mean(residual^2) + eps)) in place, each
