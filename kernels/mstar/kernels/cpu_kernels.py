@@ -439,6 +439,8 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
              const int64_t* q_lens, int64_t batch, T* out, int64_t hq, int64_t hkv,
              int64_t page_size, float scale) {
   constexpr int64_t D = NV * W;
+  // bf16 scores by VDPBF16PS where the CPU has it, on a K^T of bf16 pairs.
+  constexpr bool kDotBf16 = kHasDotBf16 && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
   const int64_t group = hq / hkv, head_row = hkv * D;
   std::vector<int64_t> items;  // (b, hk, first row) triples
   for (int64_t b = 0; b < batch; ++b)
@@ -458,30 +460,63 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
     // Per-thread, grow-only: a long prompt's K^T / V run to megabytes, fresh ones per task
     // would be mapped and faulted in every time. Only K^T's padding columns need zeros.
     thread_local std::vector<float> kt, vf, sc;
-    kt.resize(std::max<size_t>(kt.size(), D * lp));
+    thread_local std::vector<uint32_t> kt2;
     vf.resize(std::max<size_t>(vf.size(), keys * D));
     sc.resize(std::max<size_t>(sc.size(), PF_R * lp));
-    for (int64_t d = 0; d < D; ++d)
-      std::fill(kt.begin() + d * lp + keys, kt.begin() + (d + 1) * lp, 0.f);
-    for (int64_t l = 0; l < keys; ++l) {
-      const T* k = key_row(l, 0);
-      const T* v = key_row(l, 1);
-      for (int64_t c = 0; c < NV; ++c) {
-        const f16v kc = load(k + c * W);
-        for (int e = 0; e < W; ++e) kt[(c * W + e) * lp + l] = kc[e];
-        store(vf.data() + l * D + c * W, load(v + c * W));
+    if constexpr (kDotBf16) {  // K^T as bf16 pairs: kt2[p][l] = (k[l][2p], k[l][2p + 1])
+      kt2.resize(std::max<size_t>(kt2.size(), D / 2 * lp));
+      for (int64_t p = 0; p < D / 2; ++p)
+        std::fill(kt2.begin() + p * lp + keys, kt2.begin() + (p + 1) * lp, 0u);
+      for (int64_t l = 0; l < keys; ++l) {
+        const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row(l, 0));
+        for (int64_t p = 0; p < D / 2; ++p) kt2[p * lp + l] = k[p];
       }
+    } else {
+      kt.resize(std::max<size_t>(kt.size(), D * lp));
+      for (int64_t d = 0; d < D; ++d)
+        std::fill(kt.begin() + d * lp + keys, kt.begin() + (d + 1) * lp, 0.f);
+      for (int64_t l = 0; l < keys; ++l) {
+        const T* k = key_row(l, 0);
+        for (int64_t c = 0; c < NV; ++c) {
+          const f16v kc = load(k + c * W);
+          for (int e = 0; e < W; ++e) kt[(c * W + e) * lp + l] = kc[e];
+        }
+      }
+    }
+    for (int64_t l = 0; l < keys; ++l) {
+      const T* v = key_row(l, 1);
+      for (int64_t c = 0; c < NV; ++c) store(vf.data() + l * D + c * W, load(v + c * W));
     }
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = r0; i0 < r1; i0 += PF_R) {
         const int nr = static_cast<int>(std::min<int64_t>(PF_R, r1 - i0));
-        float qv[PF_R][D];
-        for (int i = 0; i < PF_R; ++i) {
-          const T* qr = q + (q_starts[b] + i0 + std::min(i, nr - 1)) * qs0 + h * qs1;
-          for (int64_t d = 0; d < D; ++d) qv[i][d] = static_cast<float>(qr[d]);
-        }
+        const T* qr[PF_R];
+        for (int i = 0; i < PF_R; ++i)
+          qr[i] = q + (q_starts[b] + i0 + std::min(i, nr - 1)) * qs0 + h * qs1;
         const int64_t hi = first + i0 + nr;  // keys the block's last row sees
-        for (int64_t j = 0; j < hi; j += W) {
+#if defined(__AVX512BF16__)
+        if constexpr (kDotBf16) {
+          uint32_t qp[PF_R][D / 2];
+          for (int i = 0; i < PF_R; ++i) std::memcpy(qp[i], qr[i], sizeof qp[i]);
+          for (int64_t j = 0; j < hi; j += W) {
+            __m512 acc[PF_R];
+            for (int i = 0; i < PF_R; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int64_t p = 0; p < D / 2; ++p) {
+              const __m512bh kd = (__m512bh)_mm512_loadu_si512(kt2.data() + p * lp + j);
+#pragma GCC unroll 4
+              for (int i = 0; i < PF_R; ++i)
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(qp[i][p]), kd);
+            }
+            for (int i = 0; i < PF_R; ++i) store(sc.data() + i * lp + j, (f16v)acc[i] * scale);
+          }
+        }
+#endif
+        float qv[PF_R][D];
+        if constexpr (!kDotBf16)
+          for (int i = 0; i < PF_R; ++i)
+            for (int64_t d = 0; d < D; ++d) qv[i][d] = static_cast<float>(qr[i][d]);
+        for (int64_t j = 0; !kDotBf16 && j < hi; j += W) {
           f16v acc[PF_R] = {};
 #pragma GCC unroll 8
           for (int64_t d = 0; d < D; ++d) {
@@ -496,8 +531,14 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
           float* row = sc.data() + i * lp;
           const int64_t lim = i < nr ? first + i0 + i + 1 : 0;  // keys row i sees
           float mx = -INFINITY;
-          for (int64_t j = 0; j < lim; ++j) mx = std::max(mx, row[j]);
           const int64_t vec_lim = lim / W * W;
+          f16v m = f16v{} - INFINITY;
+          for (int64_t j = 0; j < vec_lim; j += W) {
+            const f16v x = load(row + j);
+            m = x > m ? x : m;
+          }
+          for (int e = 0; e < W; ++e) mx = std::max(mx, m[e]);
+          for (int64_t j = vec_lim; j < lim; ++j) mx = std::max(mx, row[j]);
           f16v sum = f16v{};
           for (int64_t j = 0; j < vec_lim; j += W) {
             const f16v e = vexp(load(row + j) - mx);
