@@ -54,7 +54,9 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // AVX512-BF16 intrinsics, used only under __AVX512BF16__
+#endif
 #include <type_traits>
 #include <vector>
 
