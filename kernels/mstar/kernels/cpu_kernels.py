@@ -309,8 +309,9 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<int64_t> off;
-    std::vector<float> scores, kblock(16 * dim);
-    std::vector<f16v> qv(hq * NV), acc(hq * NV);
+    // The VDPBF16PS path reads keys in place and q as bf16: no widened block, no float q.
+    std::vector<float> scores, kblock(kDotBf16 ? 0 : 16 * dim);
+    std::vector<f16v> qv(kDotBf16 ? 0 : hq * NV), acc(hq * NV);
 #if defined(__AVX512BF16__)
     std::vector<__m512bh> qb(kDotBf16 ? hq * NV / 2 : 0);
 #endif
@@ -514,19 +515,20 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
           }
         }
 #endif
-        float qv[PF_R][D];
-        if constexpr (!kDotBf16)
+        if constexpr (!kDotBf16) {
+          float qv[PF_R][D];
           for (int i = 0; i < PF_R; ++i)
             for (int64_t d = 0; d < D; ++d) qv[i][d] = static_cast<float>(qr[i][d]);
-        for (int64_t j = 0; !kDotBf16 && j < hi; j += W) {
-          f16v acc[PF_R] = {};
+          for (int64_t j = 0; j < hi; j += W) {
+            f16v acc[PF_R] = {};
 #pragma GCC unroll 8
-          for (int64_t d = 0; d < D; ++d) {
-            const f16v kd = load(kt.data() + d * lp + j);
+            for (int64_t d = 0; d < D; ++d) {
+              const f16v kd = load(kt.data() + d * lp + j);
 #pragma GCC unroll 4
-            for (int i = 0; i < PF_R; ++i) acc[i] += qv[i][d] * kd;
+              for (int i = 0; i < PF_R; ++i) acc[i] += qv[i][d] * kd;
+            }
+            for (int i = 0; i < PF_R; ++i) store(sc.data() + i * lp + j, acc[i] * scale);
           }
-          for (int i = 0; i < PF_R; ++i) store(sc.data() + i * lp + j, acc[i] * scale);
         }
         float inv[PF_R];
         for (int i = 0; i < PF_R; ++i) {
