@@ -172,6 +172,26 @@ def test_cpu_kernels_run_float32_and_can_be_switched_off(tmp_path, monkeypatch):
     torch.testing.assert_close(without, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_last_layer_runs_only_the_sampled_rows_with_the_same_numbers(tmp_path):
+    """Sampling only each sequence's last row prunes the last layer to those rows after its
+    attention: their logits equal the all-rows run's, and every row's K/V is still written, so
+    the next decode step matches too (and transformers)."""
+    hf = make_checkpoint(tmp_path, "llama")
+    decoder, cfg, _ = load_model(tmp_path, "float32")
+    rng = random.Random(6)
+    a, b = rng.choices(range(VOCAB), k=17), rng.choices(range(VOCAB), k=9)
+    full = PagedPool(cfg, num_pages=32, page_size=4)
+    pruned = PagedPool(cfg, num_pages=32, page_size=4)
+    every = full.step(decoder, [(0, a), (1, b)], all_logits=True)
+    last = pruned.step(decoder, [(0, a), (1, b)])
+    assert last.shape[0] == 2
+    torch.testing.assert_close(last, every[[len(a) - 1, len(a) + len(b) - 1]], atol=0, rtol=0)
+    torch.testing.assert_close(pruned.kv, full.kv, atol=0, rtol=0)
+    nxt = pruned.step(decoder, [(0, [7]), (1, [9])])
+    torch.testing.assert_close(nxt[0], hf_logits(hf, [*a, 7])[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nxt[1], hf_logits(hf, [*b, 9])[-1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "family,kwargs",
     [("llama", {}), ("qwen2", {}), ("llama", {"rope_scaling": LLAMA3_SCALING})],
