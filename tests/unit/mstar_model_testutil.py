@@ -43,9 +43,10 @@ class PagedPool:
     def step(
         self, decoder: Decoder, batch: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False
     ) -> torch.Tensor:
-        """Run one flat step: ``batch`` is [(seq_id, new token ids)]; returns logits.
+        """Run one flat step: ``batch`` is [(seq_id, new token ids)]; returns float32 logits.
 
-        Logits are for the last new token of each sequence, or for every new token.
+        Logits are for the last new token of each sequence, or for every new token (the
+        decoder's come in the model's dtype; widening bf16 to float32 is exact).
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -89,12 +90,13 @@ class PagedPool:
             page_size=s,
         )
         ctx = PoolContext(self.kv, self.backend, torch.tensor(slots, dtype=torch.int64))
-        return decoder(
+        logits: torch.Tensor = decoder(
             torch.tensor(ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
             ctx,
             torch.tensor(logit_rows, dtype=torch.int64),
         )
+        return logits.float()
 
 
 class PoolContext:

@@ -108,7 +108,9 @@ def test_write_kv_kernel_refuses_a_slot_outside_the_cache(kernels):
     assert int((pool != 0).sum()) == 0  # checked before any row is copied
 
 
-def test_argmax_rows_matches_torch(kernels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch(kernels, dtype):
+    """bf16 logits answer as their float32 widening does (the greedy sampler reads them as is)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(12, 1000, generator=gen)
     x[1, 17] = x[1, 900] = 50.0  # a tie: the first index wins
@@ -119,8 +121,11 @@ def test_argmax_rows_matches_torch(kernels):
     x[5, 5] = float("inf")
     x[6, 998] = float("nan")
     wide = torch.randn(3, 2048, generator=gen)[:, :1000]  # strided rows
+    if dtype == torch.bfloat16:
+        x[7, 400] = x[7, 401] = 60.0  # bf16 ties: far likelier than in float32
     for batch in (x, wide, torch.randn(2, 7, generator=gen)):
-        assert torch.equal(kernels.argmax_rows(batch), batch.argmax(dim=1))
+        batch = batch.to(dtype)
+        assert torch.equal(kernels.argmax_rows(batch), batch.float().argmax(dim=1))
 
 
 def test_argmax_rows_refuses_other_layouts(kernels):

@@ -87,6 +87,28 @@ def test_all_greedy_fast_path_and_feature_flags() -> None:
     assert res.sample(plan, logits).token_ids == logits.argmax(dim=1).tolist()
 
 
+def test_bf16_logits_sample_as_their_float32_widening() -> None:
+    """The decoder hands bf16 models' logits over in bf16: every path answers as on float32."""
+    kinds = [
+        cfg(temperature=0.0),
+        cfg([3, 4], temperature=0.0, repetition_penalty=1.5, logprobs=2),
+        cfg(temperature=0.8, top_k=6, seed=5),
+        cfg(temperature=1.1, top_p=0.7, min_p=0.05, frequency_penalty=0.3),
+    ]
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(9)).bfloat16()
+    for rows in ([0], [0, 1], [0, 1, 2, 3]):  # all-greedy fast path, penalties, random draws
+        got: list[SampleOutput] = []
+        for x in (logits, logits.float()):
+            res = SamplerResource(V, seed=2)
+            rids = [f"r{i}" for i in rows]
+            for i, rid in zip(rows, rids, strict=True):
+                res.ingest_request(rid, kinds[i])
+            got.append(run_step(res, rids, x[rows]))
+            got.append(run_step(res, rids, x[rows]))  # penalty counts moved by the first
+        assert [o.token_ids for o in got[:2]] == [o.token_ids for o in got[2:]]
+        assert [o.logprobs for o in got[:2]] == [o.logprobs for o in got[2:]]
+
+
 def test_flags_follow_what_the_batch_uses() -> None:
     res = SamplerResource(V)
     res.ingest_request("plain", cfg(temperature=1.0))

@@ -21,8 +21,8 @@
   own vectorised exp, so within float32 rounding of torch's before any bf16 rounding).
 - ``sample_rows``: one draw per row from softmax(logits) by inverse CDF with one uniform per
   row (the torch path draws Gumbel noise for every vocab entry: uniform, two logs, an add).
-- ``argmax_rows``: the sampler's greedy argmax over a [rows, vocab] float32 batch, one row per
-  task (torch's CPU argmax took 1.6 ms for 32 x 49152).
+- ``argmax_rows``: the sampler's greedy argmax over a [rows, vocab] float32 or bf16 batch, one
+  row per task (torch's CPU argmax took 1.6 ms for 32 x 49152).
 
 These are per-layer ops on small tensors in a decode step, where dispatch and passes over memory
 cost more than the arithmetic: SmolLM2 at batch 32 ran ~20 of them per layer around the GEMMs.
@@ -851,20 +851,16 @@ torch::Tensor silu_mul(torch::Tensor x) {
   return out;
 }
 
-// float32 argmax of each row of x [n, V] (row-contiguous): the first index of the row's maximum,
-// or of its first NaN, as torch.argmax answers. One row per task, 16 lanes per compare.
-torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
-              "argmax_rows: float32 [n, V] with contiguous rows");
-  const int64_t rows = x.size(0), vocab = x.size(1), vec_end = vocab / W * W;
-  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "argmax_rows: bad vocab size");
-  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
-  const float* xs = x.data_ptr<float>();
-  int64_t* o = out.data_ptr<int64_t>();
-  const int64_t stride = x.stride(0);
+// Argmax of each row of x [n, V] (float32 or bf16, row-contiguous): the first index of the row's
+// maximum, or of its first NaN, as torch.argmax answers. bf16 widens exactly, so a bf16 row's
+// answer is its float32 copy's: greedy sampling needs no float32 logits. One row per task, 16
+// lanes per compare.
+template <typename T>
+void argmax_rows_of(const T* xs, int64_t rows, int64_t vocab, int64_t stride, int64_t* o) {
+  const int64_t vec_end = vocab / W * W;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = xs + r * stride;
+      const T* row = xs + r * stride;
       f16v best = f16v{} - INFINITY;
       i16v best_i = i16v{}, idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       i16v nan = i16v{};
@@ -883,18 +879,31 @@ torch::Tensor argmax_rows(torch::Tensor x) {
         if (best[e] > m || (best[e] == m && best_i[e] < at)) m = best[e], at = best_i[e];
       }
       for (int64_t i = vec_end; i < vocab; ++i) {
-        any_nan |= row[i] != row[i];
-        if (row[i] > m) m = row[i], at = i;
+        const float x = static_cast<float>(row[i]);
+        any_nan |= x != x;
+        if (x > m) m = x, at = i;
       }
       if (at == vocab) at = 0;  // every entry -inf (or NaN, found below)
       if (any_nan)
         for (int64_t i = 0; i < vocab; ++i)
-          if (row[i] != row[i]) {
+          if (static_cast<float>(row[i]) != static_cast<float>(row[i])) {
             at = i;
             break;
           }
       o[r] = at;
     }
+  });
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(glue_dtype(x) && x.dim() == 2 && x.stride(1) == 1,
+              "argmax_rows: float32 or bfloat16 [n, V] with contiguous rows");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "argmax_rows: bad vocab size");
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  by_dtype(x, "argmax_rows", [&](auto tag) {
+    using T = decltype(tag);
+    argmax_rows_of(x.data_ptr<T>(), rows, vocab, x.stride(0), out.data_ptr<int64_t>());
   });
   return out;
 }
@@ -1012,7 +1021,7 @@ FUNCTIONS = (
     "sample_rows",
 )
 
-#: dtypes ``paged_decode``, ``write_kv`` and the glue ops handle (the sampler's: float32 logits)
+#: dtypes ``paged_decode``, ``write_kv``, the glue ops and ``argmax_rows`` handle
 DTYPES = (torch.float32, torch.bfloat16)
 
 #: head dims ``paged_decode`` is instantiated for (whole 16-float vectors, registers per row)

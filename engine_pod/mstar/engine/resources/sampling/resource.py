@@ -418,7 +418,7 @@ class SamplerResource(Resource):
         return self._argmax_rows(x.add_(self._noise_for(plan, x.shape[0])))
 
     def _argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None and x.dtype == torch.float32 and x.stride(1) == 1:
+        if self._kernels is not None and x.dtype in cpu_kernels.DTYPES and x.stride(1) == 1:
             out: torch.Tensor = self._kernels.argmax_rows(x)
             return out
         return x.argmax(dim=1)
