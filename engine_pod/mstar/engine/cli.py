@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     # Built on the thread that will step it: one OpenMP team, not two, on the CPU's cores.
     engine_thread = EngineThread()
     try:
-        engine = engine_thread.call(lambda: LLMEngine.from_config(config))
+        engine = engine_thread.call(lambda: LLMEngine.from_config(config, serving=True))
     except ModelLoadError as exc:
         print(f"mstar-engine: error: cannot load the model: {exc}", file=sys.stderr)
         return 2

@@ -36,8 +36,11 @@ from mstar.kernels import resolve_attention_backend, select_attention_backend
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
-#: Step token budgets when --max-num-batched-tokens is unset (its help has the measurement).
-CPU_DEFAULT_BATCHED_TOKENS = 512
+#: Step token budgets when --max-num-batched-tokens is unset (its help has the measurements).
+#: On CPU a server keeps steps short for TTFT; offline, where only the batch's end counts, bigger
+#: chunks mean fewer steps (vLLM-CPU's defaults make the same split: 2048 serving, 4096 offline).
+CPU_SERVING_BATCHED_TOKENS = 512
+CPU_OFFLINE_BATCHED_TOKENS = 2048
 CUDA_DEFAULT_BATCHED_TOKENS = 2048
 
 
@@ -69,6 +72,7 @@ class LLMEngine:
         model_name: str,
         num_pages: int,
         host_offload_pages: int,
+        serving: bool = False,
     ) -> None:
         self.decoder = decoder
         self.model_config = model_config
@@ -115,7 +119,7 @@ class LLMEngine:
             self.kv,
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=_batched_tokens(config, device),
+                max_num_batched_tokens=_batched_tokens(config, device, serving),
                 eviction_policy=config.eviction_policy,
                 max_model_len=self.max_model_len,
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
@@ -132,7 +136,9 @@ class LLMEngine:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, *, serving: bool = False) -> LLMEngine:
+        """Load the model and build the engine; ``serving``: behind the HTTP server (the step
+        token budget's default differs, see `CPU_SERVING_BATCHED_TOKENS`)."""
         device = _pick_device(config.device)
         dtype = _pick_dtype(config.dtype, device)
         # Refuse an unavailable attention backend before spending time on the weights.
@@ -159,6 +165,7 @@ class LLMEngine:
             model_name=name,
             num_pages=num_pages,
             host_offload_pages=host_pages,
+            serving=serving,
         )
 
     # -- public API ----------------------------------------------------------------------------
@@ -278,10 +285,12 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _batched_tokens(config: EngineConfig, device: torch.device) -> int:
+def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -> int:
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
-    return CPU_DEFAULT_BATCHED_TOKENS if device.type == "cpu" else CUDA_DEFAULT_BATCHED_TOKENS
+    if device.type != "cpu":
+        return CUDA_DEFAULT_BATCHED_TOKENS
+    return CPU_SERVING_BATCHED_TOKENS if serving else CPU_OFFLINE_BATCHED_TOKENS
 
 
 def _default_num_pages(config: EngineConfig, device: torch.device, bytes_per_page: int) -> int:
