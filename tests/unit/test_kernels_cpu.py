@@ -120,11 +120,10 @@ def test_argmax_rows_matches_torch(kernels, dtype):
     x[4, 20] = float("nan")
     x[5, 5] = float("inf")
     x[6, 998] = float("nan")
-    wide = torch.randn(3, 2048, generator=gen)[:, :1000]  # strided rows
+    wide = torch.randn(3, 2048, generator=gen).to(dtype)[:, :1000]  # strided rows
     if dtype == torch.bfloat16:
         x[7, 400] = x[7, 401] = 60.0  # bf16 ties: far likelier than in float32
-    for batch in (x, wide, torch.randn(2, 7, generator=gen)):
-        batch = batch.to(dtype)
+    for batch in (x.to(dtype), wide, torch.randn(2, 7, generator=gen).to(dtype)):
         assert torch.equal(kernels.argmax_rows(batch), batch.float().argmax(dim=1))
 
 
