@@ -935,7 +935,7 @@ void argmax_rows_of(const T* xs, int64_t rows, int64_t vocab, int64_t stride, in
       if (at == vocab) at = 0;  // every entry -inf (or NaN, found below)
       if (any_nan)
         for (int64_t i = 0; i < vocab; ++i)
-          if (static_cast<float>(row[i]) != static_cast<float>(row[i])) {
+          if (std::isnan(static_cast<float>(row[i]))) {
             at = i;
             break;
           }
