@@ -21,7 +21,9 @@ from tokenizers import models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mstar.engine.model import ModelConfig, ModelLoadError, load_model, loader
+from mstar.engine.model import decoder as decoder_module
 from mstar.engine.model.decoder import (
+    AMX_MAX_ROWS,
     BF16_FLOAT32_GEMM_MIN_ROWS,
     INTEL_FLOAT32_PACKED_MIN_ROWS,
     PackedLinear,
@@ -172,10 +174,12 @@ def test_cpu_kernels_run_float32_and_can_be_switched_off(tmp_path, monkeypatch):
     torch.testing.assert_close(without, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_last_layer_runs_only_the_sampled_rows_with_the_same_numbers(tmp_path):
+def test_last_layer_runs_only_the_sampled_rows_with_the_same_numbers(tmp_path, monkeypatch):
     """Sampling only each sequence's last row prunes the last layer to those rows after its
     attention: their logits equal the all-rows run's, and every row's K/V is still written, so
-    the next decode step matches too (and transformers)."""
+    the next decode step matches too (and transformers). One GEMM kernel for every row count
+    (on Intel, float32 batches under 8 rows would take MKL's, rounded differently)."""
+    monkeypatch.setattr(decoder_module, "float32_packed_min_rows", lambda: 0)
     hf = make_checkpoint(tmp_path, "llama")
     decoder, cfg, _ = load_model(tmp_path, "float32")
     rng = random.Random(6)
@@ -263,6 +267,35 @@ def test_bfloat16_load_close_to_transformers(tmp_path, monkeypatch, family, nati
     assert ours.shape[0] == len(ids)
     hf_bf16 = hf.to(torch.bfloat16)
     torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
+
+
+def test_bf16_batches_up_to_amx_max_rows_take_the_amx_kernel(tmp_path):
+    """Where the CPU has AMX tiles, every bf16 projection keeps AMX-packed weights too, and
+    batches of up to AMX_MAX_ROWS rows run `amx_linear` on them (bias included); larger ones
+    oneDNN's kernel. Elsewhere no layer holds an AMX copy."""
+    require_tool("g++")
+    require_tool("ninja")
+    make_checkpoint(tmp_path, "qwen2")  # QKV bias
+    decoder, _, _ = load_model(tmp_path, "bfloat16")
+    kernels = decoder.cpu_kernels
+    assert kernels is not None
+    layers = [decoder.lm_head, *(getattr(decoder.layers[0], n) for n in ("qkv_proj", "down_proj"))]
+    assert all(isinstance(layer, PackedLinear) for layer in layers)
+    if not kernels.amx_available():
+        assert all(layer.amx_weight is None for layer in layers)
+        return
+    gen = torch.Generator().manual_seed(3)
+    for layer in layers:
+        assert layer.amx_weight is not None
+        for rows in (1, 17, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+            x = torch.randn(rows, layer.in_features, generator=gen).to(torch.bfloat16)
+            if rows <= AMX_MAX_ROWS:
+                want = kernels.amx_linear(x, layer.amx_weight, layer.out_features, layer.bias)
+            else:
+                want = torch.ops.mkldnn._linear_pointwise(
+                    x, layer.packed_weight, layer.bias, "none", [], ""
+                )
+            assert torch.equal(layer(x), want)
 
 
 def test_bfloat16_float32_gemm_can_be_switched_off(tmp_path, monkeypatch):

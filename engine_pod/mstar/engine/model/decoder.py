@@ -102,6 +102,15 @@ def float32_packed_min_rows() -> int:
 BF16_FLOAT32_GEMM_MIN_ROWS = 2
 
 
+#: bf16 batches up to this many rows run `cpu_kernels.amx_linear` where the CPU has AMX tiles
+#: (a decode step's shapes: weights stream from DRAM once for a few dozen rows). Measured on a
+#: 2-core Xeon with AMX over SmolLM2's linears, weights cold: a step's 121 linears took
+#: 12.9 / 13.4 / 19.7 / 31.8 / 55.0 ms against oneDNN's 20.4 / 23.8 / 28.0 / 37.9 / 59.7 at
+#: 1 / 32 / 64 / 128 / 256 rows, but from 128 rows up the LM head alone was slower (8.1 vs
+#: 7.0 ms at 128, 15.7 vs 10.3 at 256), and prompt chunks are oneDNN's ground.
+AMX_MAX_ROWS = 128
+
+
 def cpu_has_bf16() -> bool:
     """Native bf16 math (AVX512-BF16 or AMX); without it oneDNN emulates bf16 GEMMs."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
@@ -127,11 +136,18 @@ class PackedLinear(nn.Module):
     batches from that many rows run a float32 GEMM on exact float32 copies of the bf16 weight
     and input, rounding the output to bf16. That is a bf16 GEMM with float32 accumulation, what
     oneDNN's emulation computes, at float32 speed; it costs a float32 copy of every weight.
+
+    ``kernels`` (`cpu_kernels.load()`'s extension): where the CPU has AMX tiles, a bf16 layer
+    also keeps its weight in `cpu_kernels.amx_pack_weight`'s layout, and batches up to
+    `AMX_MAX_ROWS` rows run `amx_linear` on it (the same float32 accumulation rounded once).
     """
 
     packed_weight: torch.Tensor
+    amx_weight: torch.Tensor | None
 
-    def __init__(self, linear: nn.Linear, *, float32_gemm: bool = False) -> None:
+    def __init__(
+        self, linear: nn.Linear, *, float32_gemm: bool = False, kernels: Any | None = None
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -152,6 +168,12 @@ class PackedLinear(nn.Module):
             weight = weight.float()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.kernels: Any | None = None
+        amx = None
+        if kernels is not None and weight.dtype == torch.bfloat16 and kernels.amx_available():
+            self.kernels = kernels
+            amx = kernels.amx_pack_weight(weight)
+        self.register_buffer("amx_weight", amx, persistent=False)
 
     @property
     def upcast(self) -> bool:
@@ -159,6 +181,12 @@ class PackedLinear(nn.Module):
         return self.few_rows_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_weight is not None and x.shape[0] <= AMX_MAX_ROWS:
+            assert self.kernels is not None
+            out: torch.Tensor = self.kernels.amx_linear(
+                x, self.amx_weight, self.out_features, self.bias
+            )
+            return out
         if x.shape[0] < self.min_rows:
             if self.weight is not None:
                 return F.linear(x, self.weight, self.bias)
@@ -179,15 +207,18 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def pack_linears_(decoder: Decoder, *, float32_gemm: bool = False) -> None:
+def pack_linears_(
+    decoder: Decoder, *, float32_gemm: bool = False, kernels: Any | None = None
+) -> None:
     """Swap every projection and the LM head for a `PackedLinear` (see `can_pack`)."""
     for layer in decoder.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)
             if isinstance(linear, nn.Linear):
-                setattr(layer, name, PackedLinear(linear, float32_gemm=float32_gemm))
+                packed = PackedLinear(linear, float32_gemm=float32_gemm, kernels=kernels)
+                setattr(layer, name, packed)
     if isinstance(decoder.lm_head, nn.Linear):
-        decoder.lm_head = PackedLinear(decoder.lm_head, float32_gemm=float32_gemm)
+        decoder.lm_head = PackedLinear(decoder.lm_head, float32_gemm=float32_gemm, kernels=kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -345,7 +376,9 @@ class Decoder(nn.Module):
         # Only the sampled rows' last-layer output reaches the LM head: the rest of a prompt
         # chunk stops after the last attention (its K/V are all later steps need). That skips
         # o_proj and the MLP of one layer for nearly every prompt token (~2.8% of SmolLM2's
-        # prefill FLOPs); row-wise ops, so the sampled rows' numbers do not change.
+        # prefill FLOPs). Row-wise ops: the sampled rows' numbers do not change, except by
+        # rounding where a GEMM picks its kernel by row count (`float32_packed_min_rows`,
+        # `AMX_MAX_ROWS`).
         prune = last > 0 and logits_indices.shape[0] < input_ids.shape[0]
         for i, layer in enumerate(self.layers):
             keep = logits_indices if prune and i == last else None

@@ -187,10 +187,10 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
     decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
+    kernels = cpu_kernels.load() if decoder.device.type == "cpu" else None
     if can_pack(torch_dtype, decoder.device):
-        pack_linears_(decoder, float32_gemm=bf16_float32_gemm(torch_dtype))
-    if decoder.device.type == "cpu":
-        decoder.cpu_kernels = cpu_kernels.load()
+        pack_linears_(decoder, float32_gemm=bf16_float32_gemm(torch_dtype), kernels=kernels)
+    decoder.cpu_kernels = kernels
     return decoder, cfg, tokenizer
 
 
