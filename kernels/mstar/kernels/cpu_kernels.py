@@ -23,6 +23,9 @@
   row (the torch path draws Gumbel noise for every vocab entry: uniform, two logs, an add).
 - ``argmax_rows``: the sampler's greedy argmax over a [rows, vocab] float32 or bf16 batch, one
   row per task (torch's CPU argmax took 1.6 ms for 32 x 49152).
+- ``amx_linear`` (with ``amx_pack_weight``, ``amx_available``): bf16 x @ W.T on AMX tiles for
+  decode-sized batches, where a step's time is streaming the weights from DRAM once (oneDNN
+  reached about half of the bandwidth there); compiled only where the CPU has AMX.
 
 These are per-layer ops on small tensors in a decode step, where dispatch and passes over memory
 cost more than the arithmetic: SmolLM2 at batch 32 ran ~20 of them per layer around the GEMMs.
