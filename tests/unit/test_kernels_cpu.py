@@ -206,29 +206,45 @@ def test_write_kv_converts_a_v_of_another_dtype_like_the_torch_path(kernels):
     assert torch.equal(pool[0, 0, 1], k[0]) and torch.equal(pool[1, 1, 2], v[1].float())
 
 
-def require_amx(kernels) -> None:
-    if not kernels.amx_available():
-        pytest.skip("this CPU has no AMX bf16 tiles")
+#: the bf16 GEMMs for decode-sized batches: (name prefix, what a CPU without it lacks)
+SMALL_BATCH_GEMMS = {"amx": "no AMX bf16 tiles", "dpbf16": "no AVX512-BF16"}
 
 
+def gemm(kernels, kind: str):
+    """(linear, pack_weight) of one small-batch GEMM; skips where this CPU lacks it."""
+    if not getattr(kernels, f"{kind}_available")():
+        pytest.skip(f"this CPU has {SMALL_BATCH_GEMMS[kind]}")
+    return getattr(kernels, f"{kind}_linear"), getattr(kernels, f"{kind}_pack_weight")
+
+
+@pytest.mark.parametrize("kind", list(SMALL_BATCH_GEMMS))
 @pytest.mark.parametrize(
     "rows,k,n",
-    # tail tiles of rows (1, 15, 17, 33, 130), a K that is no whole tile step (40, zero-padded),
-    # columns past a 32-column panel (33, 70)
-    [(1, 576, 960), (15, 64, 32), (17, 40, 33), (33, 576, 576), (64, 1536, 64), (130, 96, 70)],
+    # tail tiles / passes of rows (1, 15, 17, 33, 130), a K that is no whole AMX tile step (40,
+    # zero-padded) or odd (33: VDPBF16PS's last k-pair half empty), columns past a 32-column
+    # panel (33, 70)
+    [
+        (1, 576, 960),
+        (15, 64, 32),
+        (17, 40, 33),
+        (13, 33, 70),
+        (33, 576, 576),
+        (64, 1536, 64),
+        (130, 96, 70),
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_amx_linear_rounds_the_float32_product_once(kernels, rows, k, n, with_bias):
-    """x @ w.T (+ bias) over AMX tiles: float32 accumulation of the exact bf16 products, rounded
-    to bf16 once, for contiguous and strided rows alike."""
-    require_amx(kernels)
+def test_small_batch_linear_rounds_the_float32_product_once(kernels, kind, rows, k, n, with_bias):
+    """x @ w.T (+ bias) over AMX tiles or VDPBF16PS: float32 accumulation of the exact bf16
+    products, rounded to bf16 once, for contiguous and strided rows alike."""
+    linear, pack = gemm(kernels, kind)
     gen = torch.Generator().manual_seed(rows * k + n)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
     wide = torch.randn(rows, k + 8, generator=gen).to(torch.bfloat16)
-    packed = kernels.amx_pack_weight(w)
+    packed = pack(w)
     for x in (wide[:, :k].contiguous(), wide[:, 8:]):
-        got = kernels.amx_linear(x, packed, n, bias)
+        got = linear(x, packed, n, bias)
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         exact = x.double() @ w.double().T
         if bias is not None:
@@ -236,27 +252,40 @@ def test_amx_linear_rounds_the_float32_product_once(kernels, rows, k, n, with_bi
         torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-3)
 
 
-def test_amx_linear_refuses_what_it_cannot_do(kernels):
-    require_amx(kernels)
-    packed = kernels.amx_pack_weight(torch.zeros(32, 64, dtype=torch.bfloat16))
+@pytest.mark.parametrize("kind", list(SMALL_BATCH_GEMMS))
+def test_small_batch_linear_refuses_what_it_cannot_do(kernels, kind):
+    linear, pack = gemm(kernels, kind)
+    packed = pack(torch.zeros(32, 64, dtype=torch.bfloat16))
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
-        kernels.amx_linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 32, None)
+        linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 32, None)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
-        kernels.amx_linear(x, packed, 33, None)
+        linear(x, packed, 33, None)
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
-        kernels.amx_linear(x.float(), packed, 32, None)
+        linear(x.float(), packed, 32, None)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        linear(torch.zeros(64, 2, dtype=torch.bfloat16).T, packed, 32, None)
     with pytest.raises(RuntimeError, match="bias must be contiguous bfloat16"):
-        kernels.amx_linear(x, packed, 32, torch.zeros(31, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="amx_pack_weight"):
-        kernels.amx_linear(x, packed.flatten(), 32, None)
+        linear(x, packed, 32, torch.zeros(31, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=f"{kind}_pack_weight"):
+        linear(x, packed.flatten(), 32, None)
     with pytest.raises(RuntimeError, match="weight must be bfloat16"):
-        kernels.amx_pack_weight(torch.zeros(32, 64))
+        pack(torch.zeros(32, 64))
 
 
-def test_amx_linear_refuses_a_cpu_without_tiles(kernels):
-    if kernels.amx_available():
-        pytest.skip("this CPU has AMX bf16 tiles")
-    packed = kernels.amx_pack_weight(torch.zeros(32, 64, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="no AMX bf16 tiles"):
-        kernels.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 32, None)
+def test_dpbf16_linear_takes_no_rows(kernels):
+    linear, pack = gemm(kernels, "dpbf16")
+    got = linear(
+        torch.zeros(0, 64, dtype=torch.bfloat16), pack(torch.ones(3, 64).bfloat16()), 3, None
+    )
+    assert got.shape == (0, 3)
+
+
+@pytest.mark.parametrize("kind", list(SMALL_BATCH_GEMMS))
+def test_small_batch_linear_refuses_a_cpu_without_it(kernels, kind):
+    if getattr(kernels, f"{kind}_available")():
+        pytest.skip(f"this CPU has {kind}")
+    linear = getattr(kernels, f"{kind}_linear")
+    packed = getattr(kernels, f"{kind}_pack_weight")(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=SMALL_BATCH_GEMMS[kind]):
+        linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 32, None)

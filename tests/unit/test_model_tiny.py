@@ -25,9 +25,11 @@ from mstar.engine.model import decoder as decoder_module
 from mstar.engine.model.decoder import (
     AMX_MAX_ROWS,
     BF16_FLOAT32_GEMM_MIN_ROWS,
+    DPBF16_MAX_ROWS,
     INTEL_FLOAT32_PACKED_MIN_ROWS,
     PackedLinear,
     float32_packed_min_rows,
+    small_batch_kernel,
 )
 from mstar.kernels import cpu_kernels
 
@@ -269,10 +271,10 @@ def test_bfloat16_load_close_to_transformers(tmp_path, monkeypatch, family, nati
     torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
 
 
-def test_bf16_batches_up_to_amx_max_rows_take_the_amx_kernel(tmp_path):
-    """Where the CPU has AMX tiles, every bf16 projection keeps AMX-packed weights too, and
-    batches of up to AMX_MAX_ROWS rows run `amx_linear` on them (bias included); larger ones
-    oneDNN's kernel. Elsewhere no layer holds an AMX copy."""
+def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
+    """Where the CPU has AMX tiles or AVX512-BF16, every bf16 projection keeps that kernel's
+    packed weight too, and batches up to its row limit run it (bias included); larger ones
+    oneDNN's kernel. Elsewhere no layer holds a second copy."""
     require_tool("g++")
     require_tool("ninja")
     make_checkpoint(tmp_path, "qwen2")  # QKV bias
@@ -281,16 +283,20 @@ def test_bf16_batches_up_to_amx_max_rows_take_the_amx_kernel(tmp_path):
     assert kernels is not None
     layers = [decoder.lm_head, *(getattr(decoder.layers[0], n) for n in ("qkv_proj", "down_proj"))]
     assert all(isinstance(layer, PackedLinear) for layer in layers)
-    if not kernels.amx_available():
-        assert all(layer.amx_weight is None for layer in layers)
+    kernel = small_batch_kernel(kernels)
+    if kernel is None:
+        assert all(layer.small_batch_weight is None for layer in layers)
         return
+    linear, _, max_rows = kernel
+    expected = (AMX_MAX_ROWS, kernels.amx_linear) if kernels.amx_available() else None
+    assert (max_rows, linear) == (expected or (DPBF16_MAX_ROWS, kernels.dpbf16_linear))
     gen = torch.Generator().manual_seed(3)
     for layer in layers:
-        assert layer.amx_weight is not None
-        for rows in (1, 17, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        assert layer.small_batch_weight is not None
+        for rows in (1, 17, max_rows, max_rows + 1):
             x = torch.randn(rows, layer.in_features, generator=gen).to(torch.bfloat16)
-            if rows <= AMX_MAX_ROWS:
-                want = kernels.amx_linear(x, layer.amx_weight, layer.out_features, layer.bias)
+            if rows <= max_rows:
+                want = linear(x, layer.small_batch_weight, layer.out_features, layer.bias)
             else:
                 want = torch.ops.mkldnn._linear_pointwise(
                     x, layer.packed_weight, layer.bias, "none", [], ""

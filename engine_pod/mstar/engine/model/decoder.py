@@ -110,6 +110,25 @@ BF16_FLOAT32_GEMM_MIN_ROWS = 2
 #: 7.0 ms at 128, 15.7 vs 10.3 at 256), and prompt chunks are oneDNN's ground.
 AMX_MAX_ROWS = 128
 
+#: Where the CPU has AVX512-BF16 but no AMX, bf16 batches up to this many rows run
+#: `cpu_kernels.dpbf16_linear`. Measured on a 2-core Zen 5 over SmolLM2's 120 projections,
+#: weights cold: 5.6 / 5.0 / 9.6 / 18.2 / 34.0 ms against oneDNN's 8.7 / 8.1 / 14.0 / 23.4 /
+#: 38.4 at 1 / 8 / 32 / 64 / 128 rows; at 256 rows oneDNN's kernel was ahead (gate/up: 1.06 vs
+#: 1.27 ms), and prompt chunks are its ground.
+DPBF16_MAX_ROWS = 128
+
+
+def small_batch_kernel(kernels: Any | None) -> tuple[Any, Any, int] | None:
+    """(linear, pack_weight, max rows) of the bf16 GEMM for decode-sized batches on this CPU:
+    AMX tiles where it has them, else VDPBF16PS, else None (oneDNN's kernel for every batch)."""
+    if kernels is None:
+        return None
+    if kernels.amx_available():
+        return kernels.amx_linear, kernels.amx_pack_weight, AMX_MAX_ROWS
+    if kernels.dpbf16_available():
+        return kernels.dpbf16_linear, kernels.dpbf16_pack_weight, DPBF16_MAX_ROWS
+    return None
+
 
 def cpu_has_bf16() -> bool:
     """Native bf16 math (AVX512-BF16 or AMX); without it oneDNN emulates bf16 GEMMs."""
@@ -137,13 +156,14 @@ class PackedLinear(nn.Module):
     and input, rounding the output to bf16. That is a bf16 GEMM with float32 accumulation, what
     oneDNN's emulation computes, at float32 speed; it costs a float32 copy of every weight.
 
-    ``kernels`` (`cpu_kernels.load()`'s extension): where the CPU has AMX tiles, a bf16 layer
-    also keeps its weight in `cpu_kernels.amx_pack_weight`'s layout, and batches up to
-    `AMX_MAX_ROWS` rows run `amx_linear` on it (the same float32 accumulation rounded once).
+    ``kernels`` (`cpu_kernels.load()`'s extension): where `small_batch_kernel` finds one (AMX
+    tiles or AVX512-BF16), a bf16 layer also keeps its weight in that kernel's layout
+    (``small_batch_weight``), and batches up to its row limit run it (the same float32
+    accumulation rounded once).
     """
 
     packed_weight: torch.Tensor
-    amx_weight: torch.Tensor | None
+    small_batch_weight: torch.Tensor | None
 
     def __init__(
         self, linear: nn.Linear, *, float32_gemm: bool = False, kernels: Any | None = None
@@ -168,12 +188,14 @@ class PackedLinear(nn.Module):
             weight = weight.float()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.kernels: Any | None = None
-        amx = None
-        if kernels is not None and weight.dtype == torch.bfloat16 and kernels.amx_available():
-            self.kernels = kernels
-            amx = kernels.amx_pack_weight(weight)
-        self.register_buffer("amx_weight", amx, persistent=False)
+        self.small_batch_linear: Any | None = None
+        self.small_batch_max_rows = 0
+        small = None
+        kernel = small_batch_kernel(kernels) if weight.dtype == torch.bfloat16 else None
+        if kernel is not None:
+            self.small_batch_linear, pack, self.small_batch_max_rows = kernel
+            small = pack(weight)
+        self.register_buffer("small_batch_weight", small, persistent=False)
 
     @property
     def upcast(self) -> bool:
@@ -181,10 +203,10 @@ class PackedLinear(nn.Module):
         return self.few_rows_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx_weight is not None and x.shape[0] <= AMX_MAX_ROWS:
-            assert self.kernels is not None
-            out: torch.Tensor = self.kernels.amx_linear(
-                x, self.amx_weight, self.out_features, self.bias
+        if self.small_batch_weight is not None and x.shape[0] <= self.small_batch_max_rows:
+            assert self.small_batch_linear is not None
+            out: torch.Tensor = self.small_batch_linear(
+                x, self.small_batch_weight, self.out_features, self.bias
             )
             return out
         if x.shape[0] < self.min_rows:
@@ -378,7 +400,7 @@ class Decoder(nn.Module):
         # o_proj and the MLP of one layer for nearly every prompt token (~2.8% of SmolLM2's
         # prefill FLOPs). Row-wise ops: the sampled rows' numbers do not change, except by
         # rounding where a GEMM picks its kernel by row count (`float32_packed_min_rows`,
-        # `AMX_MAX_ROWS`).
+        # `small_batch_kernel`).
         prune = last > 0 and logits_indices.shape[0] < input_ids.shape[0]
         for i, layer in enumerate(self.layers):
             keep = logits_indices if prune and i == last else None
