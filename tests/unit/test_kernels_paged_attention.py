@@ -22,6 +22,7 @@ from mstar.kernels import (
     slot_rows,
     write_kv,
 )
+from mstar.kernels.paged_attention import KernelDecodeStep
 
 
 @pytest.fixture(autouse=True)
@@ -407,3 +408,49 @@ def test_prefill_kernel_refuses_bad_lengths_and_pages() -> None:
     with pytest.raises(RuntimeError, match="page 4 is outside the cache"):
         call([0, 4], 6, 6)
     call([2, 3], 6, 6)  # a valid call passes the same checks
+
+
+def test_kernel_decode_step_matches_the_generic_path_and_declines_what_it_cannot_read():
+    """A decode-only step resolved once (`KernelDecodeStep`) writes and attends exactly as
+    `write_kv` + `run`; layouts the kernels do not read in place, prefill rows, a head dim they
+    are not built for and a backend without kernels all keep the generic path."""
+    require_tool("g++")
+    require_tool("ninja")
+    page_size, hq, hkv, d = 4, 6, 2, 32
+    specs = [(1, 1), (7, 1), (8, 1), (13, 1)]
+    pool, _, q, plan = build_case(11, page_size, hq, hkv, d, specs)
+    kv_indptr, kv_indices, last = plan[1], plan[2], plan[3]
+    # The newest token of each sequence: its page's slot `last - 1`.
+    ends = kv_indices[(kv_indptr[1:] - 1).long()].long()
+    slots = ends * page_size + last.long() - 1
+    backend = TorchPagedAttention()
+    backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    step = backend.decode_step(slots, pool.dtype)
+    assert isinstance(step, KernelDecodeStep)
+    gen = torch.Generator().manual_seed(5)
+    fused = torch.randn(len(specs), (hq + 2 * hkv) * d, generator=gen)
+    heads = fused.view(len(specs), hq + 2 * hkv, d)
+    q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
+    fast_pool, slow_pool = pool.clone(), pool.clone()
+    assert step.fits(q, k, v, fast_pool)
+    fast = step(q, k, v, fast_pool)
+    write_kv(slow_pool, k, v, slots)
+    slow = backend.run(q, slow_pool)
+    assert torch.equal(fast, slow) and torch.equal(fast_pool, slow_pool)
+    # Not read in place: heads that are not whole rows, another dtype.
+    strided = torch.randn(len(specs), hkv, 2 * d, generator=gen)[..., ::2]
+    assert not step.fits(q, strided, v, fast_pool)
+    assert not step.fits(q.double(), k.double(), v.double(), fast_pool)
+    # Prefill rows, an unsupported head dim, no kernels: no resolved step.
+    _, _, _, mixed = build_case(12, page_size, hq, hkv, d, [(5, 5), (7, 1)])
+    backend.plan(*mixed, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    assert backend.decode_step(slots[:2], pool.dtype) is None
+    _, _, _, odd = build_case(13, page_size, hq, hkv, 24, specs)
+    backend.plan(*odd, num_qo_heads=hq, num_kv_heads=hkv, head_dim=24, page_size=page_size)
+    assert backend.decode_step(slots, pool.dtype) is None
+    plain = TorchPagedAttention(use_kernels=False)
+    plain.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    assert plain.decode_step(slots, pool.dtype) is None
+    backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
+    assert torch.float16 not in cpu_kernels.DTYPES
+    assert backend.decode_step(slots, torch.float16) is None

@@ -102,6 +102,56 @@ def validate_plan(
         raise ValueError("a sequence has more queries than KV tokens (write K/V before attending)")
 
 
+class KernelDecodeStep:
+    """A decode-only step on the C++ kernels, resolved once per step: each layer is then one
+    `cpu_kernels.write_kv` and one `cpu_kernels.paged_decode` call. The generic path (`write_kv`,
+    `TorchPagedAttention.run`) re-derives the same choice in ~15 Python checks per layer."""
+
+    __slots__ = ("head_dim", "kernel", "kv_lens", "page_table", "scale", "slots")
+
+    def __init__(
+        self,
+        kernel: Any,
+        page_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        scale: float,
+        slots: torch.Tensor,
+        head_dim: int,
+    ) -> None:
+        self.kernel = kernel
+        self.page_table = page_table
+        self.kv_lens = kv_lens
+        self.scale = scale
+        self.slots = slots
+        self.head_dim = head_dim
+
+    def fits(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> bool:
+        """The layouts the kernels read in place: one dtype, rows of whole heads."""
+        d = self.head_dim
+        return (
+            q.dtype == kv_layer.dtype == k.dtype == v.dtype
+            and kv_layer.is_contiguous()
+            and q.stride(2) == 1
+            and q.stride(1) == d
+            and k.stride(2) == 1
+            and k.stride(1) == d
+            and v.stride(2) == 1
+            and v.stride(1) == d
+        )
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k/v at the step's slots, then attend q; row b of q is sequence b."""
+        self.kernel.write_kv(kv_layer, k, v, self.slots)
+        out: torch.Tensor = self.kernel.paged_decode(
+            q, kv_layer, self.page_table, self.kv_lens, self.scale
+        )
+        return out
+
+
 class TorchPagedAttention:
     """Batched paged attention in plain torch (CPU, or any device as a reference)."""
 
@@ -282,6 +332,23 @@ class TorchPagedAttention:
                     qb, kb, vb, attn_mask=mask, scale=self._scale, enable_gqa=gqa
                 )
             out[start : start + n] = o[0].transpose(0, 1)
+
+    def decode_step(self, write_slots: torch.Tensor, dtype: torch.dtype) -> KernelDecodeStep | None:
+        """The planned step as a `KernelDecodeStep` when it is decode rows only and the kernels
+        take ``dtype`` and this head dim on the CPU; None otherwise (the generic path)."""
+        kernel = self._kernel
+        if (
+            kernel is None
+            or len(self._groups) != 1
+            or self._groups[0].q_max != 1
+            or dtype not in cpu_kernels.DTYPES
+            or not cpu_kernels.supports_head_dim(self._head_dim)
+        ):
+            return None
+        g = self._groups[0]
+        slots = write_slots.to(device=self.device, dtype=torch.int64).contiguous()
+        page_table = g.page_table.view(g.batch, -1)
+        return KernelDecodeStep(kernel, page_table, g.kv_lens, self._scale, slots, self._head_dim)
 
     def _kernel_decode(
         self, kernel: Any, g: _Group, q: torch.Tensor, kv_layer: torch.Tensor

@@ -23,6 +23,7 @@ from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.plan import KVPlan
 from mstar.engine.resources.step import ResourceStep, SlotLease, StepContext
 from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention, write_kv
+from mstar.kernels.paged_attention import KernelDecodeStep
 
 
 def graph_backend(backend: Any, batch_size: int, max_pages: int) -> Any:
@@ -34,19 +35,29 @@ def graph_backend(backend: Any, batch_size: int, max_pages: int) -> Any:
 
 
 class PagedAttentionContext:
-    """One step's attention: per layer, write K/V at the planned slots, then attend."""
+    """One step's attention: per layer, write K/V at the planned slots, then attend.
 
-    __slots__ = ("backend", "cache", "write_slots")
+    A decode-only step on the CPU kernels is resolved once here (`KernelDecodeStep`), so each
+    layer makes two kernel calls and a few stride checks.
+    """
+
+    __slots__ = ("backend", "cache", "decode", "write_slots")
 
     def __init__(self, cache: KVCache, backend: Any, write_slots: torch.Tensor) -> None:
         self.cache = cache
         self.backend = backend
         self.write_slots = write_slots
+        self.decode: KernelDecodeStep | None = None
+        if isinstance(backend, TorchPagedAttention):
+            self.decode = backend.decode_step(write_slots, cache.tensor.dtype)
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         kv_layer = self.cache.layer_view(layer_idx)
+        decode = self.decode
+        if decode is not None and decode.fits(q, k, v, kv_layer):
+            return decode(q, k, v, kv_layer)
         write_kv(kv_layer, k, v, self.write_slots)
         out: torch.Tensor = self.backend.run(q, kv_layer)
         return out
