@@ -26,6 +26,9 @@
 - ``amx_linear`` (with ``amx_pack_weight``, ``amx_available``): bf16 x @ W.T on AMX tiles for
   decode-sized batches, where a step's time is streaming the weights from DRAM once (oneDNN
   reached about half of the bandwidth there); compiled only where the CPU has AMX.
+- ``dpbf16_linear`` (with ``dpbf16_pack_weight``, ``dpbf16_available``): the same on
+  AVX512-BF16's VDPBF16PS for CPUs without AMX (1.3-1.6x oneDNN's packed kernel at 1-64 rows on
+  a 2-core Zen 5); compiled only where the CPU has AVX512-BF16.
 
 These are per-layer ops on small tensors in a decode step, where dispatch and passes over memory
 cost more than the arithmetic: SmolLM2 at batch 32 ran ~20 of them per layer around the GEMMs.
