@@ -166,7 +166,9 @@ def test_sigterm_drains_in_flight_then_exits(tiny_chat_dir: Path, proc_factory: 
 
 
 def test_sigterm_cuts_off_after_the_grace_period(tiny_chat_dir: Path, proc_factory: Any) -> None:
-    p = proc_factory(tiny_chat_dir, "--shutdown-grace-seconds", "0.5", "--max-model-len", "512")
+    # A short grace: the tiny model decodes ~1 ms per token on a quiet core, so 500 tokens
+    # (its 512 positions allow no more) could finish inside a grace of 0.5 s.
+    p = proc_factory(tiny_chat_dir, "--shutdown-grace-seconds", "0.1", "--max-model-len", "512")
     p.wait_ready()
     body = {"model": "tiny", "prompt": "w7", "max_tokens": 500, "ignore_eos": True}
     result: dict[str, Any] = {}
