@@ -830,6 +830,15 @@ constexpr int64_t kBlockElems = 2 * 16 * 32;  // one K step of a panel (2 KB)
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// A GEMM's optional bias [N] as a pointer (null for none), refused unless contiguous bf16.
+const c10::BFloat16* linear_bias(const c10::optional<torch::Tensor>& bias, int64_t n,
+                                 const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
+              op, ": bias must be contiguous bfloat16 [N]");
+  return bias->data_ptr<c10::BFloat16>();
+}
+
 #if defined(__AVX512BF16__)
 // Lanes [0, n) of a 16-float vector, and bf16 values widened into them (zeros elsewhere).
 inline __m512 widen_bf16(__mmask16 keep, const c10::BFloat16* p) {
@@ -926,7 +935,6 @@ bool request_amx() {
 constexpr bool kHasAmx = false;
 bool request_amx() { return false; }
 #endif
-
 
 // -- bf16 GEMM on VDPBF16PS for decode-sized batches (AVX512-BF16 without AMX) -----------------
 // Each instruction multiplies 16 columns by a pair of K: the weight is packed once into panels
@@ -1334,12 +1342,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   TORCH_CHECK(round_up(k, kTileK) == steps * kTileK && n > 0 &&
                   round_up(n, kPanelCols) == panels * kPanelCols,
               "amx_linear: x's K or N does not match the packed weight");
-  const c10::BFloat16* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
-                "amx_linear: bias must be contiguous bfloat16 [N]");
-    bias_p = bias->data_ptr<c10::BFloat16>();
-  }
+  const c10::BFloat16* bias_p = linear_bias(bias, n, "amx_linear");
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1400,6 +1403,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
 #endif
   return out;
 }
+
 // True where this build has VDPBF16PS (AVX512-BF16): `dpbf16_linear` runs.
 bool dpbf16_available() { return kHasDotBf16; }
 
@@ -1439,12 +1443,7 @@ torch::Tensor dpbf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), pairs = packed.size(1);
   TORCH_CHECK((k + 1) / 2 == pairs && n > 0 && round_up(n, kDotCols) == panels * kDotCols,
               "dpbf16_linear: x's K or N does not match the packed weight");
-  const c10::BFloat16* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
-                "dpbf16_linear: bias must be contiguous bfloat16 [N]");
-    bias_p = bias->data_ptr<c10::BFloat16>();
-  }
+  const c10::BFloat16* bias_p = linear_bias(bias, n, "dpbf16_linear");
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
 #if defined(__AVX512BF16__)

@@ -102,43 +102,29 @@ def validate_plan(
         raise ValueError("a sequence has more queries than KV tokens (write K/V before attending)")
 
 
+@dataclass(slots=True)
 class KernelDecodeStep:
     """A decode-only step on the C++ kernels, resolved once per step: each layer is then one
     `cpu_kernels.write_kv` and one `cpu_kernels.paged_decode` call. The generic path (`write_kv`,
     `TorchPagedAttention.run`) re-derives the same choice in ~15 Python checks per layer."""
 
-    __slots__ = ("head_dim", "kernel", "kv_lens", "page_table", "scale", "slots")
-
-    def __init__(
-        self,
-        kernel: Any,
-        page_table: torch.Tensor,
-        kv_lens: torch.Tensor,
-        scale: float,
-        slots: torch.Tensor,
-        head_dim: int,
-    ) -> None:
-        self.kernel = kernel
-        self.page_table = page_table
-        self.kv_lens = kv_lens
-        self.scale = scale
-        self.slots = slots
-        self.head_dim = head_dim
+    kernel: Any
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    scale: float
+    slots: torch.Tensor
 
     def fits(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> bool:
         """The layouts the kernels read in place: one dtype, rows of whole heads."""
-        d = self.head_dim
+        heads = cpu_kernels.heads_contiguous
         return (
             q.dtype == kv_layer.dtype == k.dtype == v.dtype
             and kv_layer.is_contiguous()
-            and q.stride(2) == 1
-            and q.stride(1) == d
-            and k.stride(2) == 1
-            and k.stride(1) == d
-            and v.stride(2) == 1
-            and v.stride(1) == d
+            and heads(q)
+            and heads(k)
+            and heads(v)
         )
 
     def __call__(
@@ -348,7 +334,7 @@ class TorchPagedAttention:
         g = self._groups[0]
         slots = write_slots.to(device=self.device, dtype=torch.int64).contiguous()
         page_table = g.page_table.view(g.batch, -1)
-        return KernelDecodeStep(kernel, page_table, g.kv_lens, self._scale, slots, self._head_dim)
+        return KernelDecodeStep(kernel, page_table, g.kv_lens, self._scale, slots)
 
     def _kernel_decode(
         self, kernel: Any, g: _Group, q: torch.Tensor, kv_layer: torch.Tensor
