@@ -25,7 +25,7 @@ from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import FlashInferPagedAttention, flashinfer_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-#: tests/gpu/run.sh sets it: there a missing FlashInfer is a failure, not a skip.
+#: tests/gpu/first_run.sh sets it: there a missing FlashInfer is a failure, not a skip.
 REQUIRE_FI = os.environ.get("MSTAR_GPU_REQUIRE_FLASHINFER") == "1"
 
 

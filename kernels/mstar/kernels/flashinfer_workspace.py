@@ -4,8 +4,8 @@ FlashInfer's ``plan`` carves split-KV partial outputs (``tmp_v``, fp32, head_dim
 log-sum-exps (``tmp_s``) out of the float workspace it was given, and fails the plan ("Buffer
 overflow") when they do not fit. A fixed 32 MiB was too small for a 64-head model at batch 64, so
 the size is computed here, mirroring ``PrefillSplitQOKVIndptr`` / ``PrefillPlan`` in FlashInfer's
-``attention/scheduler.cuh`` (0.5.3 and 0.6.13 agree), which both the prefill wrapper and the
-tensor-core decode wrapper run:
+``attention/scheduler.cuh`` (read at 0.6.13, the pinned version), which both the prefill wrapper
+and the tensor-core decode wrapper run:
 
 - a CTA works on ``cta_tile_q`` packed query rows (query tokens x GQA group): 128 past 64 rows
   when head_dim < 256, else 64 past 16, else 16 (Ampere and newer);
