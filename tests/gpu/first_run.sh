@@ -15,6 +15,7 @@
 #      plans; stops on a failure;
 #   3. the GPU tests: the plan-race reproducer, the offload-corruption test (its CUDA variants),
 #      test_kv_cuda, test_sampler_cuda, FlashInfer vs torch kernels, then the engine tests;
+#      then, alone, the race control (the reproducer with the fix switched off must fail);
 #   4. decode tok/s at batch 1/8/32/64, CUDA graphs on and off (skipped with < 45 s left).
 # GPU only: the C++ CPU kernels are off (MSTAR_CPU_KERNELS=0) and nothing here builds them.
 # Everything printed lands in $OUT/first-run.log too, pytest's reports in $OUT/pytest-*.xml.
@@ -80,13 +81,19 @@ EOF
 
   stage "3. GPU tests"
   local rc=0 offload=tests/engine/test_offload_corruption.py::test_offload_and_reload_change_no_token
-  capped $(($(left) - 45)) python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 120 \
+  local race=tests/gpu/test_plan_race.py
+  capped $(($(left) - 80)) python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 120 \
     --junitxml "$OUT/pytest-gpu.xml" \
-    tests/gpu/test_plan_race.py \
+    "$race::test_chunked_prefill_on_a_lagging_device_matches_torch" \
     "${offload}[cuda-float32-torch]" "${offload}[cuda-bf16-flashinfer-graphs]" \
     tests/unit/test_kv_cuda.py tests/unit/test_sampler_cuda.py \
     tests/unit/test_kernels_paged_attention.py::test_flashinfer_matches_torch \
     tests/gpu/test_gpu_engine.py tests/engine/test_engine_cuda.py || rc=1
+
+  stage "3b. race control: the same run without the wait must go wrong (alone: it may fault)"
+  capped 40 python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 35 \
+    --junitxml "$OUT/pytest-control.xml" \
+    "$race::test_control_without_the_wait_the_lagging_run_goes_wrong" || rc=1
 
   stage "4. decode tok/s, graphs on and off"
   if (($(left) >= 45)); then
