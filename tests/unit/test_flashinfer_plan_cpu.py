@@ -191,6 +191,8 @@ def test_workspace_refuses_a_later_bigger_bucket_or_another_model(log: Log) -> N
 def test_graph_plan_stages_into_fixed_buffers_and_waits_before_replanning(log: Log) -> None:
     fi = backend(log)
     graph = fi.graph_decode(4, 16)
+    with pytest.raises(RuntimeError, match="before its first plan"):
+        graph.run(torch.zeros(4, 8, 64), torch.zeros(1))
     graph.plan(*decode_rows([5, 9, 1, 4]), **SHAPE)
     graph.plan(*decode_rows([6, 10, 2, 5]), **SHAPE)
     assert graph.staging.waits == 1

@@ -307,6 +307,8 @@ class FlashInferGraphDecode:
         self.plans += 1
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        if self._wrapper is None:
+            raise RuntimeError("FlashInfer graph decode run before its first plan")
         self.runs += 1
         out: torch.Tensor = self._wrapper.run(q, kv_layer)
         return out
