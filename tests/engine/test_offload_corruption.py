@@ -20,22 +20,18 @@ with the same kernels:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
+from cuda_testing import build_hd64_llama, needs_cuda, needs_flashinfer
 from greedy_compare import assert_close_until_near_tie, drive
-from models import build_tiny_model
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
 from mstar.engine.resource_keys import ATTN
 from mstar.engine.sampling_params import SamplingParams
-from mstar.kernels import FlashInferPagedAttention, flashinfer_available
+from mstar.kernels import FlashInferPagedAttention
 
-CUDA = torch.cuda.is_available()
-REQUIRE_FI = os.environ.get("MSTAR_GPU_REQUIRE_FLASHINFER") == "1"
 N = 64
 NEW = 16
 PAGE = 4
@@ -44,9 +40,6 @@ PROMPTS = [[3 + (i * 13 + j * 7) % 90 for j in range(6 + (i * 5) % 27)] for i in
 #: Pages all 64 requests need at their longest; the pool gets about a fifth of it.
 NEED = sum(-(-(len(p) + NEW) // PAGE) for p in PROMPTS)
 POOL = NEED // 5
-#: On CUDA: head_dim 64 (a FlashInfer size), a wide init so greedy choices are rarely near-ties.
-#: On CPU the session's smaller tiny Llama keeps the suite fast.
-MODEL = dict(hidden_size=256, initializer_range=0.2)
 CONFIGS = {
     "cpu-float32-torch": dict(device="cpu", dtype="float32", attention_backend="torch"),
     "cuda-float32-torch": dict(device="cuda", dtype="float32", attention_backend="torch"),
@@ -62,16 +55,12 @@ CONFIGS = {
 def _marks(name: str) -> list[pytest.MarkDecorator]:
     if name.startswith("cpu"):
         return []
-    marks = [pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
-    if "flashinfer" in name:
-        missing = CUDA and not flashinfer_available() and not REQUIRE_FI
-        marks.append(pytest.mark.skipif(missing, reason="needs flashinfer"))
-    return marks
+    return [needs_cuda, needs_flashinfer] if "flashinfer" in name else [needs_cuda]
 
 
 @pytest.fixture(scope="module")
 def hd64_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("offload-llama"), "llama", **MODEL)
+    return build_hd64_llama(tmp_path_factory.mktemp("offload-llama"))
 
 
 def _engine(folder: Path, config: dict[str, object], host_pages: int) -> LLMEngine:
@@ -97,6 +86,7 @@ def _page_bytes(folder: Path, config: dict[str, object]) -> int:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CONFIGS])
 def test_offload_and_reload_change_no_token(request: pytest.FixtureRequest, name: str) -> None:
     config = CONFIGS[name]
+    # CUDA: a head_dim FlashInfer is built for; CPU: the session's smaller tiny Llama (fast).
     fixture = "tiny_llama_dir" if name.startswith("cpu") else "hd64_llama_dir"
     model_dir: Path = request.getfixturevalue(fixture)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -13,22 +13,15 @@ default stream: a CUDA graph captured on a side stream breaks, and the engine's 
 
 from __future__ import annotations
 
-import os
 import time
 
-import pytest
 import torch
+from cuda_testing import needs_cuda, needs_flashinfer
+from paged_cases import decode_case
 
-from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention, flashinfer_available
+from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention
 
-CUDA = torch.cuda.is_available()
-REQUIRE_FI = os.environ.get("MSTAR_GPU_REQUIRE_FLASHINFER") == "1"
-pytestmark = [
-    pytest.mark.skipif(not CUDA, reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        CUDA and not flashinfer_available() and not REQUIRE_FI, reason="needs flashinfer"
-    ),
-]
+pytestmark = [needs_cuda, needs_flashinfer]
 
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 SHAPE = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
@@ -36,26 +29,12 @@ SHAPE = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
 SLEEP_CYCLES = 1_000_000_000
 
 
-def _decode_case(lens: list[int], seed: int, num_pages: int = 96):
-    """A bf16 paged pool with one sequence per length (pages in random order), and q rows."""
-    gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(num_pages, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16).cuda()
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    kv_indptr, indices, last = [0], [], []
-    for n in lens:
-        pages = [order.pop() for _ in range(-(-n // PAGE))]
-        indices += pages
-        kv_indptr.append(len(indices))
-        last.append(n - PAGE * (len(pages) - 1))
-    q = (torch.randn(len(lens), HQ, D, generator=gen) * 2).to(torch.bfloat16).cuda()
-    i32 = torch.int32
-    plan = (
-        torch.arange(len(lens) + 1, dtype=i32),
-        torch.tensor(kv_indptr, dtype=i32),
-        torch.tensor(indices, dtype=i32),
-        torch.tensor(last, dtype=i32),
+def _decode_case(lens: list[int], seed: int):  # type: ignore[no-untyped-def]
+    """A bf16 paged pool on CUDA with one sequence per length, its q rows and CSR plan."""
+    pool, _, q, plan = decode_case(
+        lens, page_size=PAGE, heads=(HQ, HKV, D), seed=seed, dtype=torch.bfloat16, q_scale=2.0
     )
-    return pool, q, plan
+    return pool.cuda(), q.cuda(), plan
 
 
 def _torch_reference(pool: torch.Tensor, q: torch.Tensor, plan: tuple) -> torch.Tensor:
@@ -87,9 +66,10 @@ def test_flashinfer_kernels_run_on_torchs_current_stream() -> None:
 def test_captured_graph_decode_replays_each_new_plan() -> None:
     bs = 4
     fi = FlashInferPagedAttention("cuda", torch.bfloat16)
-    graph_decode = fi.graph_decode(bs, max_pages=64)
-    pool, q0, plan0 = _decode_case([1, 1, 1, 1], seed=1)
-    q_static = torch.zeros_like(q0)
+    graph_decode = fi.graph_decode(bs, max_pages=128)
+    # The captured run reads this pool; later layouts address pages of it (ids below 70).
+    pool, q0, plan0 = _decode_case([600, 512, 300, 250], seed=1)
+    q_static = q0.clone()
     graph_decode.plan(*plan0, **SHAPE)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -100,8 +80,8 @@ def test_captured_graph_decode_replays_each_new_plan() -> None:
     with torch.cuda.graph(graph):
         out_static = graph_decode.run(q_static, pool)
     layouts = [[37, 200, 5, 64], [1, 512, 17, 300], [16, 16, 33, 129], [600, 2, 90, 250]]
-    for seed, lens in enumerate(layouts, start=2):
-        _, q, plan = _decode_case(lens, seed=seed)  # same pool contents (seed 1's), new rows
+    cases = [(q0, plan0)] + [_decode_case(lens, seed=s)[1:] for s, lens in enumerate(layouts, 2)]
+    for q, plan in cases:
         graph_decode.plan(*plan, **SHAPE)  # rewrites the fixed buffers the graph reads
         q_static.copy_(q)
         graph.replay()
@@ -112,5 +92,5 @@ def test_captured_graph_decode_replays_each_new_plan() -> None:
         torch.testing.assert_close(replayed.float(), reference.float(), atol=2e-2, rtol=2e-2)
         # Graph plans always split KV and merge; eager ones may not: one bf16 rounding apart.
         torch.testing.assert_close(replayed.float(), eager.float(), atol=1e-2, rtol=1e-2)
-    assert graph_decode.staging.waits == len(layouts)  # every re-plan waited for the last one
-    assert fi.workspace_bytes > 0 and graph_decode.plans == len(layouts) + 1
+    assert graph_decode.staging.waits == len(cases)  # every re-plan waited for the last one
+    assert fi.workspace_bytes > 0 and graph_decode.plans == len(cases) + 1

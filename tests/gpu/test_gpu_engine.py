@@ -15,27 +15,22 @@ there would fail a correct engine.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from cuda_testing import build_hd64_llama, cuda_engine, needs_cuda, needs_flashinfer
 from greedy_compare import assert_close_until_near_tie, drive, top2_gap
-from models import build_tiny_model, hf_greedy
+from models import hf_greedy
 
-from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
 from mstar.engine.resource_keys import ATTN, KV, ROPE
 from mstar.engine.resources.kv import SINK_PAGE
 from mstar.engine.sampling_params import SamplingParams
-from mstar.kernels import FlashInferPagedAttention, flashinfer_available
+from mstar.kernels import FlashInferPagedAttention
 
-CUDA = torch.cuda.is_available()
-REQUIRE_FI = os.environ.get("MSTAR_GPU_REQUIRE_FLASHINFER") == "1"
-pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-needs_fi = pytest.mark.skipif(
-    CUDA and not flashinfer_available() and not REQUIRE_FI, reason="needs flashinfer"
-)
+pytestmark = needs_cuda
+needs_fi = needs_flashinfer
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 PROMPTS = [
@@ -47,18 +42,10 @@ GREEDY_LP = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, log
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """head_dim 64 (a FlashInfer size); a wide init so greedy choices are rarely near-ties."""
-    return build_tiny_model(
-        tmp_path_factory.mktemp("gpu-llama"), "llama", hidden_size=256, initializer_range=0.2
-    )
+    return build_hd64_llama(tmp_path_factory.mktemp("gpu-llama"))
 
 
-def _engine(folder: Path, **kw: object) -> LLMEngine:
-    cfg: dict[str, object] = dict(
-        model=str(folder), dtype="bfloat16", device="cuda", page_size=4, num_pages=512
-    )
-    cfg.update(kw)
-    return LLMEngine.from_config(EngineConfig(**cfg))  # type: ignore[arg-type]
+_engine = cuda_engine
 
 
 def _fi_engine(folder: Path, **kw: object) -> LLMEngine:

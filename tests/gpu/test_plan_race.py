@@ -18,30 +18,21 @@ device and spoil the tests after it.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from cuda_testing import build_hd64_llama, cuda_engine, needs_cuda, needs_flashinfer
 from greedy_compare import Logprobs, Tokens, assert_close_until_near_tie, drive
-from models import build_tiny_model
 
-from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
 from mstar.engine.resource_keys import ATTN
 from mstar.engine.sampling_params import SamplingParams
-from mstar.kernels import FlashInferPagedAttention, flashinfer_available
+from mstar.kernels import FlashInferPagedAttention
 from mstar.kernels.plan_staging import PlanStaging
 
-CUDA = torch.cuda.is_available()
-REQUIRE_FI = os.environ.get("MSTAR_GPU_REQUIRE_FLASHINFER") == "1"
-pytestmark = [
-    pytest.mark.skipif(not CUDA, reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        CUDA and not flashinfer_available() and not REQUIRE_FI, reason="needs flashinfer"
-    ),
-]
+pytestmark = [needs_cuda, needs_flashinfer]
 
 #: ~10 ms of device work queued before every plan
 LAG_CYCLES = 20_000_000
@@ -52,18 +43,11 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """head_dim 64 (a FlashInfer size); a wide init so greedy choices are rarely near-ties."""
-    return build_tiny_model(
-        tmp_path_factory.mktemp("race-llama"), "llama", hidden_size=256, initializer_range=0.2
-    )
+    return build_hd64_llama(tmp_path_factory.mktemp("race-llama"))
 
 
 def _engine(folder: Path, **kw: object) -> LLMEngine:
-    cfg: dict[str, object] = dict(
-        model=str(folder), dtype="bfloat16", device="cuda", page_size=16, num_pages=512
-    )
-    cfg.update(kw)
-    return LLMEngine.from_config(EngineConfig(**cfg))  # type: ignore[arg-type]
+    return cuda_engine(folder, page_size=16, **kw)
 
 
 def _lagging_run(

@@ -12,39 +12,12 @@ import math
 
 import pytest
 import torch
+from paged_cases import decode_case
 
-from mstar.kernels import TorchPagedAttention, write_kv
+from mstar.kernels import TorchPagedAttention
 
 PAGE = 16
 HQ, HKV, D = 9, 3, 64  # SmolLM2's heads
-
-
-def _case(seed: int, lens: list[int], dtype: torch.dtype, sharpness: float):
-    """Decode rows over KV scattered across pages; q scaled so scores reach about +-20."""
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = sum(-(-n // PAGE) for n in lens) + 4
-    pool = torch.zeros(num_pages, 2, PAGE, HKV, D, dtype=dtype)
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    kv_indptr, indices, last, dense = [0], [], [], []
-    for n in lens:
-        pages = [order.pop() for _ in range(-(-n // PAGE))]
-        k = torch.randn(n, HKV, D, generator=gen).to(dtype)
-        v = torch.randn(n, HKV, D, generator=gen).to(dtype)
-        slots = torch.tensor([pages[t // PAGE] * PAGE + t % PAGE for t in range(n)])
-        write_kv(pool, k, v, slots)
-        dense.append((k, v))
-        indices += pages
-        kv_indptr.append(len(indices))
-        last.append(n - PAGE * (len(pages) - 1))
-    q = (torch.randn(len(lens), HQ, D, generator=gen) * sharpness).to(dtype)
-    i32 = torch.int32
-    plan = (
-        torch.arange(len(lens) + 1, dtype=i32),
-        torch.tensor(kv_indptr, dtype=i32),
-        torch.tensor(indices, dtype=i32),
-        torch.tensor(last, dtype=i32),
-    )
-    return pool, dense, q, plan
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -60,7 +33,10 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_decode_rows_are_rounded_once(dtype: torch.dtype, seed: int) -> None:
     lens = [200, 57, 130, 9, 1]
-    pool, dense, q, plan = _case(seed, lens, dtype, sharpness=3.0)
+    # q scaled so the scores reach about +-20: sharp attention, where rounding shows
+    pool, dense, q, plan = decode_case(
+        lens, page_size=PAGE, heads=(HQ, HKV, D), seed=seed, dtype=dtype, q_scale=3.0
+    )
     backend = TorchPagedAttention(use_kernels=False)  # the matmul path (CUDA's torch backend)
     backend.plan(*plan, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
     out = backend.run(q, pool)
