@@ -54,7 +54,7 @@ class PlanStaging:
         self._event: Event = (new_event or torch.cuda.Event)()
         self._pending = False
         self._host = self._alloc(capacity)
-        #: plans that had to wait for the previous plan's copies (the race this prevents)
+        #: re-plans that waited on the previous plan's event first (instant once it has passed)
         self.waits = 0
 
     def _alloc(self, n: int) -> torch.Tensor:
