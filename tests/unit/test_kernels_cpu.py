@@ -7,6 +7,10 @@ order); the argmax answers what torch.argmax answers, NaN and ties included.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -337,3 +341,20 @@ def test_a_named_level_caps_what_the_gemms_plan_for(monkeypatch):
     assert features.vendor == cpu_isa.detect().vendor
     monkeypatch.delenv(cpu_isa.ENV_LEVEL)
     assert cpu_isa.planning_features() == cpu_isa.detect()
+
+
+def test_the_build_key_is_the_same_in_every_process():
+    """Every process (a server, its tests) must find the one shared build: the cache key may
+    not depend on hash randomisation."""
+    code = "from mstar.kernels import build; print(build.build_key())"
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2", "3")
+    }
+    assert len(keys) == 1 and len(next(iter(keys))) == 16

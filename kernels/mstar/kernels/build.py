@@ -89,8 +89,8 @@ def build_key() -> str:
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    for level in cpu_isa.levels():
-        digest.update(repr(level).encode())
+    for level in cpu_isa.levels():  # what the compiler sees; not `requires` (a set, unordered)
+        digest.update(repr((level.name, level.cflags)).encode())
     digest.update(repr((_COMMON, _KERNEL_FLAGS, _compiler(), torch.__version__)).encode())
     digest.update(sysconfig.get_paths()["include"].encode())
     return digest.hexdigest()[:16]
