@@ -52,10 +52,57 @@ void fma_pass(const float* xf, int64_t kdim, const bf16* b, const char* next, in
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 spells the pass in __m256 pairs: GCC keeps 64-byte vector-extension values in memory
+// where no register holds them (moving them through general registers), which made the generic
+// pass ~8x slower than this one.
+inline __m256 widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+
+template <int R>
+void fma_pass_avx2(const float* xf, int64_t kdim, const bf16* b, const char* next, int64_t lines,
+                   f16v bias, int64_t cols, bf16* out, int64_t ldo) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  int64_t due = 0;
+  for (int64_t s = 0; s < kdim; ++s) {
+    if (next != nullptr)
+      for (due += lines; due >= kdim; due -= kdim, next += 64) __builtin_prefetch(next, 0, 2);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + s * kFmaCols));
+    const __m256 w0 = widen8(_mm256_castsi256_si128(w));
+    const __m256 w1 = widen8(_mm256_extracti128_si256(w, 1));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(xf + i * kdim + s);
+      lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float sums[kFmaCols];
+    _mm256_store_ps(sums, lo[i]);
+    _mm256_store_ps(sums + 8, hi[i]);
+    const f16v v = load(sums) + bias;
+    if (cols == kFmaCols) {
+      store(out + i * ldo, v);
+    } else {
+      bf16 tmp[kFmaCols];
+      store(tmp, v);
+      std::memcpy(out + i * ldo, tmp, cols * sizeof(bf16));
+    }
+  }
+}
+#define MSTAR_FMA_PASS fma_pass_avx2
+#else
+#define MSTAR_FMA_PASS fma_pass
+#endif
+
 using FmaPass = void (*)(const float*, int64_t, const bf16*, const char*, int64_t, f16v, int64_t,
                          bf16*, int64_t);
-constexpr FmaPass kFmaPasses[kFmaRows + 1] = {nullptr,     fma_pass<1>, fma_pass<2>, fma_pass<3>,
-                                              fma_pass<4>, fma_pass<5>, fma_pass<6>};
+constexpr FmaPass kFmaPasses[kFmaRows + 1] = {
+    nullptr,           MSTAR_FMA_PASS<1>, MSTAR_FMA_PASS<2>, MSTAR_FMA_PASS<3>,
+    MSTAR_FMA_PASS<4>, MSTAR_FMA_PASS<5>, MSTAR_FMA_PASS<6>};
+#undef MSTAR_FMA_PASS
 
 }  // namespace
 
