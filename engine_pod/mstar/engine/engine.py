@@ -114,6 +114,9 @@ class LLMEngine:
                 SAMPLER: sampler,
             }
         )
+        self.model_runner = ModelRunner(
+            decoder, self.runner, sampler, device, preplan=config.enable_preplan
+        )
         self.scheduler = Scheduler(
             self.runner,
             self.kv,
@@ -124,12 +127,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
             ),
+            make_context=self.model_runner.step_context,
         )
-        self.model_runner = ModelRunner(
-            decoder, self.runner, sampler, device, preplan=config.enable_preplan
-        )
-        self.scheduler.make_context = self.model_runner.step_context
-        self.model_runner.predict_next = self.scheduler.predict_next
         self.model_runner.setup_graphs(
             config.cuda_graph_batch_sizes, config.enforce_eager, self.max_model_len
         )

@@ -29,7 +29,7 @@ from typing import Any
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.kv.allocator import PageArena
 from mstar.engine.resources.kv.cache import KVCache
-from mstar.engine.resources.kv.config import KVConfig, KVRequestConfig
+from mstar.engine.resources.kv.config import KVConfig, KVRequestConfig, pages_for
 from mstar.engine.resources.kv.copier import CopyWorker
 from mstar.engine.resources.kv.debug import check_pages_conserved, debug_asserts_enabled
 from mstar.engine.resources.kv.host import HostPagePool
@@ -37,10 +37,10 @@ from mstar.engine.resources.kv.plan import KVPlan, build_plan
 from mstar.engine.resources.kv.prefix import ROOT_KEY, PrefixIndex, chain_key
 from mstar.engine.resources.kv.stream import Stream
 from mstar.engine.resources.kv.transfer import Copy, CopyLedger, Move
+from mstar.engine.resources.refusals import RequestRejected
 from mstar.engine.resources.step import (
     ADMIT_OK,
     AdmitOutcome,
-    AdmitRuntimeError,
     AllocationFailed,
     RequestOffloading,
     ResourceStep,
@@ -295,7 +295,7 @@ class KVCacheResource(Resource):
                 per = streams.get(rid)
                 if per is None:
                     return _refuse(
-                        AdmitRuntimeError(f"request {rid!r} was never ingested by the KV cache")
+                        RequestRejected(f"request {rid!r} was never ingested by the KV cache", rid)
                     )
                 stream = per.get(label)
                 if stream is None:
@@ -317,19 +317,21 @@ class KVCacheResource(Resource):
                 seq = stream.stored_len + span
                 if seq > max_len:
                     return _refuse(
-                        AdmitRuntimeError(
+                        RequestRejected(
                             f"request {rid!r} needs {seq} tokens of context but the KV cache's "
-                            f"max_seq_len is {max_len}; shorten the prompt or max_tokens"
+                            f"max_seq_len is {max_len}; shorten the prompt or max_tokens",
+                            rid,
                         )
                     )
-                need = (seq + ps - 1) // ps
+                need = pages_for(seq, ps)
                 held = len(stream.pages)
                 if need > held:
                     if need > usable:
                         return _refuse(
-                            AdmitRuntimeError(
+                            RequestRejected(
                                 f"request {rid!r} needs {need} KV pages but the cache has only "
-                                f"{usable}; shorten the prompt or max_tokens"
+                                f"{usable}; shorten the prompt or max_tokens",
+                                rid,
                             )
                         )
                     grow.append((stream, need - held, rid, label))
@@ -509,7 +511,7 @@ class KVCacheResource(Resource):
             if freed == 0:
                 return 0
             live = [s for s in per.values() if s.pages]
-            needed = [s.pages[: (s.stored_len + ps - 1) // ps] for s in live]
+            needed = [s.pages[: pages_for(s.stored_len, ps)] for s in live]
             host_pages = host.reserve(sum(len(pages) for pages in needed))
             if host_pages is None:
                 return 0
