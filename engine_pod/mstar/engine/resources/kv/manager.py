@@ -1,6 +1,6 @@
 """`KVCacheResource`: the paged KV cache as a step resource (key ``"kv"``).
 
-Protocol per step (§3.3 of the resources reference):
+Protocol per step:
 
 - ``admit`` reserves whole pages for every segment's span, all at once: either every stream of
   the step gets what it needs or nothing new is taken. Pages a stream already holds from
@@ -11,7 +11,7 @@ Protocol per step (§3.3 of the resources reference):
 
 One reentrant lock guards stream and arena state; the allocator has its own lock.
 
-Offload and reload are claim -> copy -> land (§3.7 of the reference). The claim (under the lock)
+Offload and reload are claim -> copy -> land. The claim (under the lock)
 marks the streams moving and reserves the destination pages; the copy runs outside the lock, on
 the copy worker's thread (`KVConfig.async_copy`, the default) or inline; the landing (under the
 lock) releases the source pages. From claim to landing `admit` answers `RequestOffloading` for
