@@ -33,11 +33,6 @@ PS = 4
 TOKEN = 5
 
 
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
-
-
 def make(
     usable_pages: int,
     host_pages: int = 0,

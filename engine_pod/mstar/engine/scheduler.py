@@ -45,10 +45,10 @@ from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestO
 from mstar.engine.request import Request, RequestStatus
 from mstar.engine.resources.kv import KVCacheResource
 from mstar.engine.resources.kv.capacity import KVCapacity
+from mstar.engine.resources.refusals import reason_name
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SampleOutput
 from mstar.engine.resources.step import (
-    AdmitFailedReason,
     AdmitRuntimeError,
     AllocationFailed,
     FullAdmitOutcome,
@@ -56,8 +56,6 @@ from mstar.engine.resources.step import (
     StepContext,
     SubmoduleStep,
 )
-
-SEED_MODULE = AdmitRuntimeError.__module__
 
 #: Builds a step's context from its request ids and whether it is a batched decode.
 MakeContext = Callable[[list[str], bool], StepContext]
@@ -229,7 +227,7 @@ class Scheduler:
         index = in_batch.get(getattr(reason, "request_id", None) or "", len(rows) - 1)
         blamed = rows[index].request
         attrs: dict[str, Any] = {
-            "reason": _reason_name(reason),
+            "reason": reason_name(reason),
             "resource": resource,
             "message": reason.message if reason is not None else "",
         }
@@ -426,47 +424,16 @@ class Scheduler:
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = [
-            _output(req)
+            req.take_output()
             for req in self._touched.values()
             if req.pending_tokens or req.pending_events
         ]
         self._touched.clear()
         for req in self._finished:
-            outputs.append(_output(req))
+            outputs.append(req.take_output())
             del self.requests[req.request_id]
         self._finished.clear()
         return outputs
-
-
-def _reason_name(reason: AdmitFailedReason | None) -> str:
-    """The refusal's kind as metrics and events name it: the seed class it is an instance of
-    (`RequestRejected` counts as `AdmitRuntimeError`), else its own class name."""
-    for cls in type(reason).__mro__:
-        if cls.__module__ == SEED_MODULE:
-            return cls.__name__
-    return type(reason).__name__
-
-
-def _output(req: Request) -> RequestOutput:
-    """The request's progress since its previous output (deltas, then cleared)."""
-    out = RequestOutput(
-        request_id=req.request_id,
-        new_token_ids=req.pending_tokens,
-        new_logprobs=req.pending_logprobs if req.params.logprobs is not None else None,
-        finished=req.finished,
-        finish_reason=req.finish_reason,
-        error=req.error,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=req.num_output_tokens,
-        num_cached_tokens=req.num_cached_tokens,
-        events=req.pending_events,
-        arrival_time=req.arrival_time,
-        first_scheduled_time=req.first_scheduled_time,
-        first_token_time=req.first_token_time,
-        finished_time=req.finished_time,
-    )
-    req.pending_tokens, req.pending_logprobs, req.pending_events = [], [], []
-    return out
 
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerCounters"]

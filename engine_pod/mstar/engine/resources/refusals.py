@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mstar.engine.resources.step import AdmitRuntimeError
+from mstar.engine.resources.step import AdmitFailedReason, AdmitRuntimeError
 
-__all__ = ["RequestRejected"]
+__all__ = ["RequestRejected", "reason_name"]
 
 
 @dataclass
@@ -20,3 +20,12 @@ class RequestRejected(AdmitRuntimeError):
     """`AdmitRuntimeError` for request ``request_id``: no eviction or reload cures it."""
 
     request_id: str
+
+
+def reason_name(reason: AdmitFailedReason | None) -> str:
+    """The refusal's kind as metrics and events name it: the seed class it is an instance of
+    (`RequestRejected` counts as `AdmitRuntimeError`), else its own class name."""
+    for cls in type(reason).__mro__:
+        if cls.__module__ == AdmitRuntimeError.__module__:
+            return cls.__name__
+    return type(reason).__name__
