@@ -405,7 +405,7 @@ def main() -> None:
 
     folder = args.model or str(default_model_path())
     if args.serve_dtype is None:
-        from mstar.engine.engine import cpu_has_bf16
+        from mstar.kernels.cpu_gemm import cpu_has_bf16
 
         args.serve_dtype = "bfloat16" if cpu_has_bf16() else "float32"
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]

@@ -2,9 +2,10 @@
 
 float32 runs the torch attention backend (FlashInfer has no float32 kernels), so greedy output
 must equal transformers'. bfloat16 with ``--attention-backend flashinfer`` and CUDA graphs must
-give the eager torch backend's greedy tokens, with FlashInfer's kernel calls and graph replays
-counted so a silent fallback fails. Both run with a tiny pool so offload to pinned host memory,
-reload and recomputation happen on the device.
+agree with the eager torch backend until a near-tie (`greedy_compare`: the two round
+differently, so identical tokens are not a correct engine's promise), with FlashInfer's kernel
+calls and graph replays counted so a silent fallback fails. Both run with a tiny pool so
+offload to pinned host memory, reload and recomputation happen on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from greedy_compare import assert_close_until_near_tie, drive
 from models import build_tiny_model, hf_greedy
 
 from mstar.engine.config import EngineConfig
@@ -23,7 +25,7 @@ from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import FlashInferPagedAttention, flashinfer_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-#: tests/gpu/run.sh sets it: there a missing FlashInfer is a failure, not a skip.
+#: tests/gpu/first_run.sh sets it: there a missing FlashInfer is a failure, not a skip.
 REQUIRE_FI = os.environ.get("MSTAR_GPU_REQUIRE_FLASHINFER") == "1"
 
 
@@ -66,12 +68,17 @@ def test_cuda_float32_greedy_matches_transformers_under_evictions(tiny_llama_dir
 
 
 @pytest.mark.skipif(not (flashinfer_available() or REQUIRE_FI), reason="needs flashinfer")
-def test_cuda_bfloat16_flashinfer_graphs_match_eager_torch_under_evictions(
+def test_cuda_bfloat16_flashinfer_graphs_close_to_eager_torch_under_evictions(
     tiny_llama_dir: Path,
 ) -> None:
-    reference = _engine(
-        tiny_llama_dir, "bfloat16", num_pages=256, attention_backend="torch", enforce_eager=True
-    ).generate(PROMPTS, GREEDY)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    reference = drive(
+        _engine(
+            tiny_llama_dir, "bfloat16", num_pages=256, attention_backend="torch", enforce_eager=True
+        ),
+        PROMPTS,
+        params,
+    )
     engine = _engine(
         tiny_llama_dir,
         "bfloat16",
@@ -83,7 +90,9 @@ def test_cuda_bfloat16_flashinfer_graphs_match_eager_torch_under_evictions(
     assert isinstance(backend, FlashInferPagedAttention)
     graphs = engine.model_runner.graphs
     assert graphs is not None and graphs.num_graphs > 0
-    assert engine.generate(PROMPTS, GREEDY) == reference
+    compared, worst = assert_close_until_near_tie(reference, drive(engine, PROMPTS, params))
+    print(f"{compared} tokens compared, max |dlogprob| {worst:.4f}")
+    assert compared >= len(PROMPTS) * 20 // 2
     # FlashInfer served the eager (prefill/mixed) steps and the graphs the decode steps.
     assert backend.runs > 0 and graphs.replays > 0
     assert engine.counters.admit_failures > 0

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Download (here, on a machine with PyPI) the FlashInfer wheels tests/gpu/run.sh installs on a
-# GPU machine that has no FlashInfer and no network. They land in .whl/ (git-ignored) and
-# travel with the device call's `carry: [".whl"]`; < 64 MiB together.
+# Download (here, on a machine with PyPI) the wheels tests/gpu/first_run.sh installs on the GPU
+# machine, which has torch but no FlashInfer and no network. They land in .whl/ (git-ignored)
+# and travel with the device call's `carry: [".whl"]` (64 MiB limit; these two are 17.5 MB).
 #
-# flashinfer-python 0.5.3 (7 MB, JIT: its prefill/decode modules compile with the machine's
-# nvcc on first use) plus the two dependencies that image lacks. 0.7.x is 101 MB, over the
-# device tool's 64 MiB limit. nvidia-cutlass-dsl (also required) is left out: only its CuTe
-# DSL kernels, which the engine does not use, import it. .whl/ is in .gitignore.
+# flashinfer-python 0.6.13, the version the engine image ships (JIT: its kernels compile with
+# the machine's nvcc on first use), and the tvm-ffi it was checked with. Its other requirements
+# are either in the GPU image (click, einops, ninja, numpy, nvidia-ml-py, packaging, requests,
+# tabulate, tqdm) or only imported by kernels the engine does not use (nvidia-cudnn-frontend,
+# nvidia-cutlass-dsl, cuda-tile): `import flashinfer` and its FA2 wrappers work without them.
+# .whl/ is emptied first: two versions of one package stop the whole install there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+rm -rf .whl
 mkdir -p .whl
-for spec in flashinfer-python==0.5.3 'apache-tvm-ffi>=0.1,<0.2' 'nvidia-cudnn-frontend>=1.13.0'; do
+for spec in flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2; do
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "$spec"
 done
+ls -l .whl
 du -sh .whl

@@ -1,5 +1,6 @@
 """CUDA-graph bookkeeping on CPU: bucket choice, eager fallback, slot rotation, padding ids,
-sink-page padding of a decode layout, grow-only static buffers, and the backend refusal."""
+sink-page padding of a decode layout, grow-only static buffers, the backend refusal, and what a
+failed capture means."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from mstar.engine.batch import DECODE_WALK
 from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.engine.cuda_graphs import (
+    GraphCaptureError,
     SlotRotation,
+    capture_failure,
     choose_bucket,
     decode_bucket,
     graphs_off_reason,
@@ -204,3 +207,14 @@ def test_resource_graph_buffers_keep_their_addresses_across_builds() -> None:
     assert first[SlotLease(0, BucketKey(DECODE_WALK, 1, 1))][0] == first[s0][0]
     with pytest.raises(RuntimeError, match="handed out"):
         attn.build_cuda_graph_buffers(slot_specs((8,), 2), 8, 32)  # growing after use
+
+
+def test_only_an_out_of_memory_capture_falls_back_to_eager() -> None:
+    assert capture_failure(64, torch.cuda.OutOfMemoryError("CUDA out of memory")) is None
+    overflow = RuntimeError("Buffer overflow when allocating memory for batch_prefill_tmp_v")
+    err = capture_failure(64, overflow)
+    assert isinstance(err, GraphCaptureError)
+    msg = str(err)
+    assert "decode batch size 64" in msg and "Buffer overflow" in msg
+    assert "--enforce-eager" in msg
+    assert "RuntimeError" in str(capture_failure(8, RuntimeError("operation not permitted")))

@@ -14,16 +14,49 @@ from external_tools import require_tool
 
 from mstar.engine.model.decoder import RMSNorm
 from mstar.engine.model.rope import RotaryEmbedding
-from mstar.kernels import cpu_kernels, write_kv
+from mstar.kernels import cpu_isa, cpu_kernels, write_kv
 
 
-@pytest.fixture(scope="module")
-def kernels():
+@pytest.fixture(scope="module", params=[lvl.name for lvl in cpu_isa.supported_levels()])
+def kernels(request):
+    """Each ISA level's build this CPU runs (the x86-64-v3 one on any AVX2 machine, so the AVX2
+    code is checked on AVX-512 machines too); a build failure fails the tests."""
     require_tool("g++")
     require_tool("ninja")
-    ext = cpu_kernels.load()
-    assert ext is not None
+    ext = cpu_kernels.load_level(cpu_isa.resolve(request.param))
+    assert ext.isa_level() == request.param
     return ext
+
+
+def test_the_avx2_level_is_among_those_tested():
+    """Every x86-64 machine of this project's kind has AVX2: its build always runs here."""
+    if cpu_isa.levels() == cpu_isa.GENERIC_LEVELS:
+        pytest.skip("not an x86-64 CPU: one generic build")
+    assert "x86-64-v3" in [lvl.name for lvl in cpu_isa.supported_levels()]
+
+
+def test_the_loader_runs_the_best_level_or_the_one_named(monkeypatch):
+    best = cpu_isa.best_level(cpu_isa.detect())
+    monkeypatch.delenv(cpu_isa.ENV_LEVEL, raising=False)
+    assert cpu_isa.chosen_level() == best
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, "avx2")
+    if cpu_isa.levels() != cpu_isa.GENERIC_LEVELS:
+        assert cpu_isa.chosen_level().name == "x86-64-v3"
+
+
+def test_a_level_the_cpu_cannot_run_is_refused_by_name(monkeypatch):
+    avx2 = cpu_isa.CpuFeatures(
+        frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+    )
+    if cpu_isa.levels() == cpu_isa.GENERIC_LEVELS:
+        pytest.skip("not an x86-64 CPU")
+    assert cpu_isa.best_level(avx2).name == "x86-64-v3"
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, "avx512-bf16")
+    with pytest.raises(ValueError, match="MSTAR_CPU_ISA='avx512-bf16': this CPU lacks avx512_bf16"):
+        cpu_isa.chosen_level(avx2)
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, "avx9000")
+    with pytest.raises(ValueError, match="names no ISA level here"):
+        cpu_isa.chosen_level(avx2)
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (130, 100)])
@@ -206,14 +239,14 @@ def test_write_kv_converts_a_v_of_another_dtype_like_the_torch_path(kernels):
     assert torch.equal(pool[0, 0, 1], k[0]) and torch.equal(pool[1, 1, 2], v[1].float())
 
 
-#: the bf16 GEMMs for decode-sized batches: (name prefix, what a CPU without it lacks)
-SMALL_BATCH_GEMMS = {"amx": "no AMX bf16 tiles", "dpbf16": "no AVX512-BF16"}
+#: the bf16 GEMMs for decode-sized batches: (name prefix, what a level without it lacks)
+SMALL_BATCH_GEMMS = {"amx": "no AMX bf16 tiles", "dpbf16": "no AVX512-BF16", "fma": "no FMA"}
 
 
 def gemm(kernels, kind: str):
     """(linear, pack_weight) of one small-batch GEMM; skips where this CPU lacks it."""
     if not getattr(kernels, f"{kind}_available")():
-        pytest.skip(f"this CPU has {SMALL_BATCH_GEMMS[kind]}")
+        pytest.skip(f"the {kernels.isa_level()} build has {SMALL_BATCH_GEMMS[kind]}")
     return getattr(kernels, f"{kind}_linear"), getattr(kernels, f"{kind}_pack_weight")
 
 
@@ -235,7 +268,7 @@ def gemm(kernels, kind: str):
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_linear_rounds_the_float32_product_once(kernels, kind, rows, k, n, with_bias):
-    """x @ w.T (+ bias) over AMX tiles or VDPBF16PS: float32 accumulation of the exact bf16
+    """x @ w.T (+ bias) over AMX tiles, VDPBF16PS or FMA: float32 accumulation of the exact bf16
     products, rounded to bf16 once, for contiguous and strided rows alike."""
     linear, pack = gemm(kernels, kind)
     gen = torch.Generator().manual_seed(rows * k + n)
@@ -273,8 +306,9 @@ def test_small_batch_linear_refuses_what_it_cannot_do(kernels, kind):
         pack(torch.zeros(32, 64))
 
 
-def test_dpbf16_linear_takes_no_rows(kernels):
-    linear, pack = gemm(kernels, "dpbf16")
+@pytest.mark.parametrize("kind", ["dpbf16", "fma"])
+def test_small_batch_linear_takes_no_rows(kernels, kind):
+    linear, pack = gemm(kernels, kind)
     got = linear(
         torch.zeros(0, 64, dtype=torch.bfloat16), pack(torch.ones(3, 64).bfloat16()), 3, None
     )
@@ -284,8 +318,22 @@ def test_dpbf16_linear_takes_no_rows(kernels):
 @pytest.mark.parametrize("kind", list(SMALL_BATCH_GEMMS))
 def test_small_batch_linear_refuses_a_cpu_without_it(kernels, kind):
     if getattr(kernels, f"{kind}_available")():
-        pytest.skip(f"this CPU has {kind}")
+        pytest.skip(f"the {kernels.isa_level()} build has {kind}")
     linear = getattr(kernels, f"{kind}_linear")
     packed = getattr(kernels, f"{kind}_pack_weight")(torch.zeros(32, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match=SMALL_BATCH_GEMMS[kind]):
         linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 32, None)
+
+
+def test_a_named_level_caps_what_the_gemms_plan_for(monkeypatch):
+    """MSTAR_CPU_ISA=x86-64-v3 on any CPU plans the GEMMs as on an AVX2 one: no oneDNN bf16,
+    no bf16 dot products, whatever the machine has."""
+    if cpu_isa.levels() == cpu_isa.GENERIC_LEVELS:
+        pytest.skip("not an x86-64 CPU")
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, "x86-64-v3")
+    features = cpu_isa.planning_features()
+    assert cpu_isa.best_level(features).name == "x86-64-v3"
+    assert not features.onednn_bf16 and not features.bf16_math
+    assert features.vendor == cpu_isa.detect().vendor
+    monkeypatch.delenv(cpu_isa.ENV_LEVEL)
+    assert cpu_isa.planning_features() == cpu_isa.detect()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from external_tools import require_tool
 from mstar.kernels import (
     FlashInferPagedAttention,
     TorchPagedAttention,
+    cpu_isa,
     cpu_kernels,
     flashinfer_available,
     select_attention_backend,
@@ -93,13 +95,26 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=[True, False], ids=["cpu-kernels", "torch-gather"])
-def use_kernels(request: pytest.FixtureRequest) -> bool:
-    """Both CPU paths: the C++ kernels reading pages in place, and the torch gather."""
-    if request.param:
-        require_tool("g++")
-        require_tool("ninja")
-    return bool(request.param)
+#: every ISA level this CPU runs (x86-64-v3 among them on any x86-64 machine with AVX2), then
+#: the torch gather
+PATHS = [lvl.name for lvl in cpu_isa.supported_levels()] + ["torch-gather"]
+
+
+@pytest.fixture(params=PATHS)
+def use_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    """Both CPU paths: the C++ kernels reading pages in place (each ISA level's build, chosen
+    as a user would, by MSTAR_CPU_ISA), and the torch gather."""
+    if request.param == "torch-gather":
+        yield False
+        return
+    require_tool("g++")
+    require_tool("ninja")
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, request.param)
+    cpu_kernels.load.cache_clear()
+    kernels = cpu_kernels.load()
+    assert kernels is not None and kernels.isa_level() == request.param
+    yield True
+    cpu_kernels.load.cache_clear()
 
 
 def test_cpu_kernels_build_here() -> None:

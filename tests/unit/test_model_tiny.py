@@ -21,17 +21,17 @@ from tokenizers import models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mstar.engine.model import ModelConfig, ModelLoadError, load_model, loader
-from mstar.engine.model import decoder as decoder_module
-from mstar.engine.model.decoder import (
+from mstar.kernels import cpu_gemm, cpu_isa, cpu_kernels
+from mstar.kernels.cpu_gemm import (
     AMX_MAX_ROWS,
     BF16_FLOAT32_GEMM_MIN_ROWS,
     DPBF16_MAX_ROWS,
+    FMA_MAX_ROWS,
     INTEL_FLOAT32_PACKED_MIN_ROWS,
     PackedLinear,
     float32_packed_min_rows,
     small_batch_kernel,
 )
-from mstar.kernels import cpu_kernels
 
 VOCAB = 128
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -142,11 +142,16 @@ def test_full_prefill_matches_transformers(tmp_path, family, kwargs):
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_kernels_run_float32_and_can_be_switched_off(tmp_path, monkeypatch):
-    """A CPU float32 load takes the C++ glue kernels (add + RMSNorm, RoPE); with
-    MSTAR_CPU_KERNELS=0 it keeps torch's ops. Both match transformers, decode rows included."""
+@pytest.mark.parametrize("level", sorted({cpu_isa.best_level(cpu_isa.detect()).name, "x86-64-v3"}))
+def test_cpu_kernels_run_float32_and_can_be_switched_off(tmp_path, monkeypatch, level):
+    """A CPU float32 load takes the C++ glue kernels (add + RMSNorm, RoPE), at this CPU's level
+    and at AVX2's; with MSTAR_CPU_KERNELS=0 it keeps torch's ops. All match transformers, decode
+    rows included."""
     require_tool("g++")
     require_tool("ninja")
+    if level not in [lvl.name for lvl in cpu_isa.supported_levels()]:
+        pytest.skip(f"this CPU does not run {level}")
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, level)
     hf = make_checkpoint(tmp_path, "llama")
     ids = random.Random(4).choices(range(VOCAB), k=30)
     ref = hf_logits(hf, ids)
@@ -158,8 +163,9 @@ def test_cpu_kernels_run_float32_and_can_be_switched_off(tmp_path, monkeypatch):
         rest = [pool.step(decoder, [(0, [tok])], all_logits=True) for tok in ids[20:]]
         return decoder.cpu_kernels, torch.cat([first, *rest])
 
+    cpu_kernels.load.cache_clear()
     kernels, with_kernels = run()
-    assert kernels is not None
+    assert kernels is not None and kernels.isa_level() == level
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     cpu_kernels.load.cache_clear()
     try:
@@ -176,7 +182,7 @@ def test_last_layer_runs_only_the_sampled_rows_with_the_same_numbers(tmp_path, m
     attention: their logits equal the all-rows run's, and every row's K/V is still written, so
     the next decode step matches too (and transformers). One GEMM kernel for every row count
     (on Intel, float32 batches under 8 rows would take MKL's, rounded differently)."""
-    monkeypatch.setattr(decoder_module, "float32_packed_min_rows", lambda: 0)
+    monkeypatch.setattr(cpu_gemm, "float32_packed_min_rows", lambda features=None: 0)
     hf = make_checkpoint(tmp_path, "llama")
     decoder, cfg, _ = load_model(tmp_path, "float32")
     rng = random.Random(6)
@@ -283,8 +289,12 @@ def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
         assert all(layer.small_batch_weight is None for layer in layers)
         return
     linear, _, max_rows = kernel
-    expected = (AMX_MAX_ROWS, kernels.amx_linear) if kernels.amx_available() else None
-    assert (max_rows, linear) == (expected or (DPBF16_MAX_ROWS, kernels.dpbf16_linear))
+    if kernels.amx_available():
+        assert (max_rows, linear) == (AMX_MAX_ROWS, kernels.amx_linear)
+    elif kernels.dpbf16_available():
+        assert (max_rows, linear) == (DPBF16_MAX_ROWS, kernels.dpbf16_linear)
+    else:
+        assert (max_rows, linear) == (FMA_MAX_ROWS, kernels.fma_linear)
     gen = torch.Generator().manual_seed(3)
     for layer in layers:
         assert layer.small_batch_weight is not None
@@ -294,9 +304,56 @@ def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
                 want = linear(x, layer.small_batch_weight, layer.out_features, layer.bias)
             else:
                 want = torch.ops.mkldnn._linear_pointwise(
-                    x, layer.packed_weight, layer.bias, "none", [], ""
-                )
+                    x.float() if layer.upcast else x,
+                    layer.packed_weight,
+                    layer.float32_bias if layer.upcast else layer.bias,
+                    "none",
+                    [],
+                    "",
+                ).to(x.dtype)
             assert torch.equal(layer(x), want)
+
+
+#: /proc/cpuinfo flags of a 2-core AMD EPYC of family 23 (Zen 1): AVX2, FMA, F16C, no AVX-512
+ZEN1_CPUINFO = (
+    "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt avx avx2 fma f16c bmi1 bmi2 movbe abm adx sha_ni "
+    "xsave xsaveopt aes pclmulqdq rdrand rdseed clflushopt"
+)
+ZEN1_FLAGS = frozenset(ZEN1_CPUINFO.split())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_on_an_avx2_cpu_never_asks_onednn_for_bf16(tmp_path, monkeypatch, family):
+    """An AVX2-only CPU (its features substituted, the kernels' x86-64-v3 build): oneDNN has no
+    bf16 GEMM there and raises on a bf16 weight, so bf16 layers keep the FMA kernel for
+    decode-sized batches and float32 copies for the rest, and the model stays close to
+    transformers in bf16."""
+    require_tool("g++")
+    require_tool("ninja")
+    avx2 = cpu_isa.CpuFeatures(ZEN1_FLAGS, "AuthenticAMD")
+    assert cpu_isa.best_level(avx2).name == "x86-64-v3" and not avx2.onednn_bf16
+    monkeypatch.setattr(cpu_isa, "detect", lambda: avx2)
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, "x86-64-v3")
+    cpu_kernels.load.cache_clear()
+    try:
+        hf = make_checkpoint(tmp_path, family)
+        decoder, cfg, _ = load_model(tmp_path, "bfloat16")
+    finally:
+        cpu_kernels.load.cache_clear()
+    kernels = decoder.cpu_kernels
+    assert kernels is not None and kernels.isa_level() == "x86-64-v3"
+    for layer in (decoder.lm_head, decoder.layers[0].qkv_proj, decoder.layers[1].down_proj):
+        assert isinstance(layer, PackedLinear) and layer.upcast
+        assert layer.few_rows_weight is None and layer.packed_weight.dtype == torch.float32
+        assert layer.small_batch_linear == kernels.fma_linear
+        assert layer.small_batch_max_rows == FMA_MAX_ROWS
+    ids = random.Random(4).choices(range(VOCAB), k=FMA_MAX_ROWS + 8)
+    pool = PagedPool(cfg, num_pages=32, page_size=4, dtype=torch.bfloat16)
+    prompt = pool.step(decoder, [(0, ids[:-1])], all_logits=True)  # float32 GEMMs (71 rows)
+    last = pool.step(decoder, [(0, ids[-1:])], all_logits=True)  # the FMA kernel (1 row)
+    hf_bf16 = hf.to(torch.bfloat16)
+    ours = torch.cat([prompt, last])
+    torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
 
 
 def test_bfloat16_float32_gemm_can_be_switched_off(tmp_path, monkeypatch):

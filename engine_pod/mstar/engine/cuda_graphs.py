@@ -75,6 +75,24 @@ def graphs_off_reason(
     return None
 
 
+class GraphCaptureError(RuntimeError):
+    """A decode bucket's CUDA graph could not be captured: the engine does not start."""
+
+
+def capture_failure(bs: int, exc: BaseException) -> GraphCaptureError | None:
+    """None when a bucket's failed capture may fall back to eager (out of device memory, which
+    a smaller bucket set or more memory fixes), else the error that stops the engine: a capture
+    that fails otherwise (a kernel off the capturing stream, a plan that does not fit its
+    workspace) would fail the same way for every bucket, and an engine that then served every
+    decode step eager, or failed them, would only hide it."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return None
+    return GraphCaptureError(
+        f"CUDA graph capture failed for decode batch size {bs}: {type(exc).__name__}: {exc}. "
+        "Fix the cause, or start with --enforce-eager to serve without CUDA graphs."
+    )
+
+
 class SlotRotation:
     """Global slot counter: consecutive executed steps never share a slot."""
 
@@ -171,7 +189,8 @@ class CudaGraphRunner:
         """Capture every (bucket, slot), largest first, into one memory pool.
 
         ``plan_slot`` plans the resources for an all-padding step on that slot (every row on the
-        sink page). A bucket whose capture fails is dropped and its steps run eager.
+        sink page). A bucket whose capture runs out of memory is dropped and its steps run eager;
+        any other failure stops the engine (`capture_failure`).
         """
         self.build_buffers()
         if not self.capture_enabled:
@@ -195,8 +214,13 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=self._pool):
                     out = self.static_forward(spec, positions, attn)
                 self._graphs[spec] = (graph, out)
-            except Exception:
-                log.exception("CUDA graph capture failed for %s; it runs eager", spec.bucket)
+            except Exception as exc:
+                fatal = capture_failure(spec.bucket.bs, exc)
+                if fatal is not None:
+                    raise fatal from exc
+                log.warning(
+                    "CUDA graph capture for %s ran out of memory; it runs eager", spec.bucket
+                )
                 failed.add(spec.bucket.bs)
         if failed:
             self._graphs = {s: g for s, g in self._graphs.items() if s.bucket.bs not in failed}  # type: ignore[union-attr]

@@ -17,7 +17,7 @@ import torch
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.model.config import ModelConfig
-from mstar.engine.model.decoder import Decoder, cpu_has_bf16
+from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
@@ -33,6 +33,7 @@ from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResourc
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
 from mstar.kernels import resolve_attention_backend, select_attention_backend
+from mstar.kernels.cpu_gemm import cpu_has_bf16
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB

@@ -151,7 +151,11 @@ class ModelRunner:
         tokens: list[int] = []
         for r in batch.rows:
             tokens.extend(r.request.tokens_to_compute(r.num_tokens))
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True)
+        # Page-locked on CUDA, so the copy is truly asynchronous; torch's pinned-memory cache
+        # reuses a block only once the copy that read it has run.
+        pinned = self.device.type == "cuda"
+        ids = torch.tensor(tokens, dtype=torch.long, pin_memory=pinned)
+        input_ids = ids.to(self.device, non_blocking=True)
         with torch.inference_mode():
             if lease is not None and lease.bucket is not None and self.graphs is not None:
                 logits = self.graphs.run(lease, input_ids, plans[ROPE], plans[ATTN])

@@ -5,8 +5,7 @@ works. The backend is built for one dtype (bf16 or fp16: FlashInfer has no float
 asking for float32 raises instead of silently running something else), which lets ``plan`` run
 FlashInfer's own plan at once, once per step, from the KV plan's int32 CPU arrays.
 
-Two kinds of wrapper, both over buffers that live as long as the backend (FlashInfer's plan
-writes scheduling metadata into its workspace; reallocating per step would cudaMalloc each time):
+Two kinds of wrapper, all over buffers that live as long as the backend:
 
 - `FlashInferPagedAttention`: the eager path. All-decode steps take the decode wrapper (kernels
   tuned for one query per row); any other step the prefill wrapper, whose causal mask is aligned
@@ -15,22 +14,34 @@ writes scheduling metadata into its workspace; reallocating per step would cudaM
   CUDA-graph mode over fixed index buffers sized for the bucket, so the addresses a captured graph
   recorded stay valid and each replay only re-plans into them.
 
+Every wrapper uses FlashInfer's FA2 kernels: the decode wrapper's tensor-core path and the
+prefill wrapper then share one JIT module, where ``auto`` would pick FA3 for prefill on Hopper
+and double the on-device compile (SGLang pins FA2 for the same reason); switching is left for a
+measurement on the GPU. They also share one float workspace, sized at the first plan from the
+model's heads and the largest graph bucket (`flashinfer_workspace`). Each wrapper stages its
+plan arrays in page-locked memory and re-plans only once the device has read the last ones
+(`plan_staging`), so no decode step makes a pageable copy of its metadata.
+
 ``runs`` counts kernel calls, so a test can prove FlashInfer really served a step.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from mstar.kernels.flashinfer_workspace import workspace_bytes
 from mstar.kernels.paged_attention import validate_plan
+from mstar.kernels.plan_staging import Event, HostPlan, PlanStaging
 
-WORKSPACE_BYTES = 128 * 1024 * 1024
-#: Per (bucket, slot) graph wrapper: decode's split-KV scratch is far smaller than prefill's.
-GRAPH_WORKSPACE_BYTES = 32 * 1024 * 1024
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+#: FlashInfer's attention kernels for every wrapper (see the module docstring).
+FA_BACKEND = "fa2"
+
+Shape = tuple[int, int, int]  # (num_qo_heads, num_kv_heads, head_dim)
 
 
 def flashinfer_available() -> bool:
@@ -46,57 +57,95 @@ def check_flashinfer_dtype(dtype: torch.dtype) -> None:
         )
 
 
-class _Layout:
-    """One step's CSR arrays as FlashInfer's plan takes them (int32, host)."""
+def _checked(
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's CSR arrays, validated, as int32 host tensors (what FlashInfer's plan reads)."""
+    validate_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
+    parts = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+    qo, kvp, idx, last = (p.to(device="cpu", dtype=torch.int32) for p in parts)
+    return qo, kvp, idx, last
 
-    __slots__ = ("kv_indices", "kv_indptr", "last_page_len", "num_tokens", "qo_indptr")
 
-    def __init__(
-        self,
-        qo_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        kv_last_page_len: torch.Tensor,
-        page_size: int,
-    ) -> None:
-        validate_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
-        self.qo_indptr = qo_indptr.to(torch.int32).cpu()
-        self.kv_indptr = kv_indptr.to(torch.int32).cpu()
-        self.kv_indices = kv_indices.to(torch.int32)
-        self.last_page_len = kv_last_page_len.to(torch.int32).cpu()
-        self.num_tokens = int(self.qo_indptr[-1]) if self.qo_indptr.numel() else 0
-
-    @property
-    def all_decode(self) -> bool:
-        q_lens = self.qo_indptr[1:] - self.qo_indptr[:-1]
-        return bool(q_lens.numel()) and bool((q_lens == 1).all())
+def _all_decode(qo_indptr: torch.Tensor) -> bool:
+    q_lens = qo_indptr[1:] - qo_indptr[:-1]
+    return bool(q_lens.numel()) and bool((q_lens == 1).all())
 
 
 class FlashInferPagedAttention:
-    """Eager paged attention through FlashInfer's batch prefill / decode wrappers (NHD)."""
+    """Eager paged attention through FlashInfer's batch prefill / decode wrappers (NHD).
+
+    ``num_sms`` (default: the device's) sizes the workspace; ``new_event`` (default
+    `torch.cuda.Event`) makes the events that order re-plans after the last plan's copies.
+    """
 
     def __init__(
         self,
         device: torch.device | str = "cuda",
         dtype: torch.dtype = torch.bfloat16,
-        workspace_bytes: int = WORKSPACE_BYTES,
+        *,
+        num_sms: int | None = None,
+        new_event: Callable[[], Event] | None = None,
     ) -> None:
         check_flashinfer_dtype(dtype)
         import flashinfer  # lazy: CUDA-only dependency
 
+        self.flashinfer: Any = flashinfer
         self.device = torch.device(device)
         self.dtype = dtype
-        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._prefill: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._decode: Any = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=True
-        )
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = num_sms
+        self.new_event = new_event
+        self._shape: Shape | None = None
+        self._workspace: torch.Tensor | None = None
+        self._graph_max_bs = 0
+        self._prefill: Any = None
+        self._decode: Any = None
+        self._staging = {
+            "prefill": PlanStaging(self.device, new_event),
+            "decode": PlanStaging(self.device, new_event),
+        }
         self._wrapper: Any = None
         self._num_tokens = 0
         #: Device copy of the step's page indices, reused (grown, never shrunk) step to step.
         self._indices = torch.zeros(1024, dtype=torch.int32, device=self.device)
         self.runs = 0
         self.plans = 0
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The shared float workspace's size (0 before the first plan)."""
+        return 0 if self._workspace is None else self._workspace.numel()
+
+    def staging(self, name: str) -> PlanStaging:
+        """The eager ``prefill`` or ``decode`` wrapper's staging (tests read ``waits``)."""
+        return self._staging[name]
+
+    def workspace(self, shape: Shape) -> torch.Tensor:
+        """The float workspace every wrapper shares, made (and the eager wrappers with it) at
+        the first plan, when the model's heads are known; one backend serves one model."""
+        if self._workspace is None:
+            hq, hkv, d = shape
+            size = workspace_bytes(hq, hkv, d, self.num_sms, self._graph_max_bs)
+            self._workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            fi = self.flashinfer
+            self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend=FA_BACKEND
+            )
+            self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=True, backend=FA_BACKEND
+            )
+            self._shape = shape
+        elif shape != self._shape:
+            raise ValueError(
+                f"planned for (q heads, kv heads, head dim) {self._shape}, got {shape}"
+            )
+        return self._workspace
 
     def _device_indices(self, host: torch.Tensor) -> torch.Tensor:
         n = host.numel()
@@ -120,38 +169,42 @@ class FlashInferPagedAttention:
         causal: bool = True,
     ) -> None:
         """FlashInfer's plan for this step, once; every layer's ``run`` reuses it."""
-        lay = _Layout(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
-        indices = self._device_indices(lay.kv_indices)
-        if lay.all_decode:
+        arrays = _checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
+        self.workspace((num_qo_heads, num_kv_heads, head_dim))
+        decode = _all_decode(arrays[0])
+        staging = self._staging["decode" if decode else "prefill"]
+        host = staging.stage(*arrays)
+        indices = self._device_indices(host.kv_indices)
+        kinds = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        if decode:
             self._decode.plan(
-                lay.kv_indptr,
+                host.kv_indptr,
                 indices,
-                lay.last_page_len,
+                host.last_page_len,
                 num_qo_heads,
                 num_kv_heads,
                 head_dim,
                 page_size,
                 pos_encoding_mode="NONE",
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
+                **kinds,
             )
             self._wrapper = self._decode
         else:
             self._prefill.plan(
-                lay.qo_indptr,
-                lay.kv_indptr,
+                host.qo_indptr,
+                host.kv_indptr,
                 indices,
-                lay.last_page_len,
+                host.last_page_len,
                 num_qo_heads,
                 num_kv_heads,
                 head_dim,
                 page_size,
                 causal=causal,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
+                **kinds,
             )
             self._wrapper = self._prefill
-        self._num_tokens = lay.num_tokens
+        staging.queued()
+        self._num_tokens = int(host.qo_indptr[-1]) if host.qo_indptr.numel() else 0
         self.plans += 1
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
@@ -165,43 +218,53 @@ class FlashInferPagedAttention:
         return out
 
     def graph_decode(self, batch_size: int, max_pages: int) -> FlashInferGraphDecode:
-        """A CUDA-graph decode wrapper for one (bucket, slot): ``batch_size`` rows exactly."""
-        return FlashInferGraphDecode(self.device, self.dtype, batch_size, max_pages)
+        """A CUDA-graph decode wrapper for one (bucket, slot): ``batch_size`` rows exactly.
+
+        Every bucket must be made before the first plan sizes the shared workspace.
+        """
+        if self._workspace is not None and batch_size > self._graph_max_bs:
+            raise RuntimeError(
+                f"graph bucket {batch_size} added after the FlashInfer workspace was sized for "
+                f"buckets up to {self._graph_max_bs}"
+            )
+        self._graph_max_bs = max(self._graph_max_bs, batch_size)
+        return FlashInferGraphDecode(self, batch_size, max_pages)
 
 
 class FlashInferGraphDecode:
     """Decode wrapper in CUDA-graph mode: fixed buffers, ``batch_size`` rows every plan."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        dtype: torch.dtype,
-        batch_size: int,
-        max_pages: int,
-        workspace_bytes: int = GRAPH_WORKSPACE_BYTES,
-    ) -> None:
-        check_flashinfer_dtype(dtype)
-        import flashinfer
-
-        self.device = device
-        self.dtype = dtype
+    def __init__(self, parent: FlashInferPagedAttention, batch_size: int, max_pages: int) -> None:
+        self.parent = parent
+        self.device = parent.device
+        self.dtype = parent.dtype
         self.batch_size = batch_size
         i32 = torch.int32
-        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self._indptr = torch.zeros(batch_size + 1, dtype=i32, device=device)
-        self._indices = torch.zeros(max(1, max_pages), dtype=i32, device=device)
-        self._last = torch.zeros(batch_size, dtype=i32, device=device)
-        self._wrapper: Any = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=True,
-            paged_kv_indptr_buffer=self._indptr,
-            paged_kv_indices_buffer=self._indices,
-            paged_kv_last_page_len_buffer=self._last,
-        )
+        self._indptr = torch.zeros(batch_size + 1, dtype=i32, device=self.device)
+        self._indices = torch.zeros(max(1, max_pages), dtype=i32, device=self.device)
+        self._last = torch.zeros(batch_size, dtype=i32, device=self.device)
+        self._staging = PlanStaging(self.device, parent.new_event)
+        self._wrapper: Any = None
         self.runs = 0
         self.plans = 0
+
+    @property
+    def staging(self) -> PlanStaging:
+        return self._staging
+
+    def _ensure_wrapper(self, shape: Shape) -> Any:
+        if self._wrapper is None:
+            self._wrapper = self.parent.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.parent.workspace(shape),
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=self._indptr,
+                paged_kv_indices_buffer=self._indices,
+                paged_kv_last_page_len_buffer=self._last,
+                backend=FA_BACKEND,
+            )
+        return self._wrapper
 
     def plan(
         self,
@@ -216,18 +279,22 @@ class FlashInferGraphDecode:
         page_size: int,
         causal: bool = True,
     ) -> None:
-        lay = _Layout(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
-        if lay.kv_indptr.numel() - 1 != self.batch_size or not lay.all_decode:
+        arrays = _checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
+        rows = arrays[1].numel() - 1
+        if rows != self.batch_size or not _all_decode(arrays[0]):
             raise ValueError(
-                f"graph decode wrapper takes exactly {self.batch_size} one-token rows, got "
-                f"{lay.kv_indptr.numel() - 1}"
+                f"graph decode wrapper takes exactly {self.batch_size} one-token rows, got {rows}"
             )
-        if lay.kv_indices.numel() > self._indices.numel():
+        if arrays[2].numel() > self._indices.numel():
             raise ValueError("more KV pages than the graph wrapper's index buffer holds")
-        self._wrapper.plan(
-            lay.kv_indptr,
-            lay.kv_indices.to(self.device, non_blocking=True),
-            lay.last_page_len,
+        wrapper = self._ensure_wrapper((num_qo_heads, num_kv_heads, head_dim))
+        host: HostPlan = self._staging.stage(*arrays)
+        indices = self._indices[: host.kv_indices.numel()]
+        indices.copy_(host.kv_indices, non_blocking=True)
+        wrapper.plan(
+            host.kv_indptr,
+            indices,
+            host.last_page_len,
             num_qo_heads,
             num_kv_heads,
             head_dim,
@@ -236,9 +303,12 @@ class FlashInferGraphDecode:
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self._staging.queued()
         self.plans += 1
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        if self._wrapper is None:
+            raise RuntimeError("FlashInfer graph decode run before its first plan")
         self.runs += 1
         out: torch.Tensor = self._wrapper.run(q, kv_layer)
         return out

@@ -62,7 +62,7 @@ class _Group:
     pages_max: int
     #: per sequence (first query row, queries, keys), for the extend path's per-row attention
     spans: list[tuple[int, int, int]] = field(default_factory=list)
-    #: additive form of ``mask`` in a reduced-precision dtype, built at that dtype's first use
+    #: additive float32 form of ``mask`` for the one-query matmuls, built at first use
     bias: torch.Tensor | None = None
     #: rows of a layer viewed as ``[-1, head_dim]`` for K then V, head-major (see `_kv_rows`)
     kv_rows: torch.Tensor | None = None
@@ -375,23 +375,28 @@ class TorchPagedAttention:
     def _decode_rows(
         self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """One query per sequence: two batched matmuls with a float32 softmax.
+        """One query per sequence: two batched matmuls, scores and probabilities in float32.
 
-        ``k`` is ``[B*Hkv, L, D]``, ``v`` ``[B, Hkv, L, D]``, both contiguous. On CPU, SDPA's
-        one-query path is far slower than this for decode: bf16/fp16 3-10x (batch 8-32, 64-512
-        keys, SmolLM2's 9/3 heads), float32 ~20x (71 ms vs 3 ms for the score product at batch
-        18 x 512 keys). ``baddbmm`` applies the scale and the mask inside the score matmul.
+        ``k`` is ``[B*Hkv, L, D]``, ``v`` ``[B, Hkv, L, D]``, both contiguous. bf16/fp16 inputs
+        are widened first and only the output is rounded: rounding the scores and probabilities
+        to bf16 too (as this path once did) gave errors up to 2.8x the output's own rounding
+        (0.022 vs 0.0078 at scores of +-20) and flipped greedy tokens against FlashInfer and
+        the CPU kernels, which keep both in float32.
+        On CPU, SDPA's one-query path is far slower than this for decode (float32 ~20x: 71 ms
+        vs 3 ms for the score product at batch 18 x 512 keys). ``baddbmm`` applies the scale and
+        the mask inside the score matmul.
         """
         hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
         group = hq // hkv
-        if g.bias is None or g.bias.dtype != q.dtype:
-            zeros = torch.zeros(g.mask.shape, dtype=q.dtype, device=g.mask.device)
+        if g.bias is None:
+            zeros = torch.zeros(g.mask.shape, dtype=torch.float32, device=g.mask.device)
             bias = zeros.masked_fill_(~g.mask, float("-inf")).view(g.batch, 1, 1, -1)
             g.bias = bias.expand(g.batch, hkv, group, -1).reshape(g.batch * hkv, group, -1)
-        qg = q.view(g.batch * hkv, group, d)  # one query row: heads grouped by KV head
-        scores = torch.baddbmm(g.bias, qg, k.transpose(1, 2), alpha=self._scale)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, v.reshape(g.batch * hkv, -1, d)).view(g.batch, hq, d)
+        qg = q.view(g.batch * hkv, group, d).float()  # one query row: heads grouped by KV head
+        scores = torch.baddbmm(g.bias, qg, k.transpose(1, 2).float(), alpha=self._scale)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, v.reshape(g.batch * hkv, -1, d).float())
+        return out.to(q.dtype).view(g.batch, hq, d)
 
 
 def _kv_rows(page_table: torch.Tensor, page_size: int, heads: int) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch
 from safetensors import safe_open
 
 from mstar.engine.model.config import ModelConfig, ModelLoadError
-from mstar.engine.model.decoder import Decoder, can_pack, cpu_has_bf16, pack_linears_
+from mstar.engine.model.decoder import Decoder, pack_linears_
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.kernels import cpu_kernels
+from mstar.kernels.cpu_gemm import can_pack, cpu_has_bf16
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

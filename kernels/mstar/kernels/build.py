@@ -1,0 +1,223 @@
+"""Builds the C++ CPU kernels (``csrc/``) once per ISA level, into a cache every process shares.
+
+Each level's library links the level-independent bindings (``bindings.cpp``: tensor checks and
+the Python module, compiled once for the x86-64 baseline, since torch's headers take about a
+minute) with that level's kernel objects (the other ``csrc/*.cpp``, compiled with the level's
+``-march`` in seconds: they include no tensor headers). Separate libraries, not one with every
+level inside, because inline functions from shared headers would otherwise be merged across
+levels by the linker, and an AVX-512 copy could then run on an AVX2 CPU.
+
+The cache is keyed by a hash of the sources, the flags, the compiler and torch, so a cache or an
+image built on one machine is reused on any other that has the same build, whatever its CPU.
+Concurrent builders (a server and its tests) wait on one lock; ninja rebuilds only what changed.
+
+``python -m mstar.kernels.build`` builds ahead of time (``--all`` for every level, as an image
+does); the engine builds the level it runs on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from mstar.kernels import cpu_isa
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+#: compiled into every level; bindings.cpp is compiled once and linked into each
+KERNEL_SOURCES = (
+    "attention.cpp",
+    "glue.cpp",
+    "sampling.cpp",
+    "gemm_amx.cpp",
+    "gemm_dpbf16.cpp",
+    "gemm_fma.cpp",
+    "level.cpp",
+)
+BINDINGS = "bindings.cpp"
+#: the prefix of each level's library and Python module name (`module_name`)
+MODULE = "mstar_cpu_kernels"
+#: overrides the cache's location (default: $XDG_CACHE_HOME or ~/.cache, then mstar/kernels)
+ENV_CACHE = "MSTAR_KERNELS_CACHE"
+
+_COMMON = ("-fPIC", "-std=c++20", "-fopenmp")
+_KERNEL_FLAGS = ("-O3", "-fvisibility=hidden")
+
+
+def _torch_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    return ["-DTORCH_API_INCLUDE_EXTENSION_H"] + [
+        arg for path in includes for arg in ("-isystem", path)
+    ]
+
+
+def _link_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    lib = cpp_extension.library_paths()[0]
+    return ["-shared", "-fopenmp", f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+
+
+@functools.cache
+def _compiler() -> tuple[str, str]:
+    """(the C++ compiler, its version line); the version is part of the cache key."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise RuntimeError(f"no C++ compiler ({cxx}): {exc}") from exc
+    return cxx, out.stdout.splitlines()[0]
+
+
+def build_key() -> str:
+    """Sources, flags, compiler and torch: equal keys mean interchangeable builds."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for level in cpu_isa.levels():
+        digest.update(repr(level).encode())
+    digest.update(repr((_COMMON, _KERNEL_FLAGS, _compiler(), torch.__version__)).encode())
+    digest.update(sysconfig.get_paths()["include"].encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "mstar" / "kernels"
+
+
+def build_dir() -> Path:
+    return cache_root() / build_key()
+
+
+def module_name(level: cpu_isa.Level) -> str:
+    """The Python module a level's library defines (a distinct one per level)."""
+    return f"{MODULE}_{level.name.replace('-', '_')}"
+
+
+def library_path(level: cpu_isa.Level) -> Path:
+    return build_dir() / f"{module_name(level)}.so"
+
+
+def _ninja_file(levels: list[cpu_isa.Level]) -> str:
+    cxx, _ = _compiler()
+    q = shlex.join
+    lines = [
+        "ninja_required_version = 1.3",
+        f"cxx = {shlex.quote(cxx)}",
+        f"torch_flags = {q([*_COMMON, *_torch_flags()])}",
+        f"ldflags = {q(_link_flags())}",
+        "rule cxx",
+        "  command = $cxx -MMD -MF $out.d $torch_flags $flags -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "  description = CXX $out",
+        "rule link",
+        "  command = $cxx $in $ldflags -o $out",
+        "  description = LINK $out",
+        f"build bindings.o: cxx {q([str(CSRC / BINDINGS)])}",
+        "  flags = -O2",
+    ]
+    for level in levels:
+        objects = []
+        for source in KERNEL_SOURCES:
+            obj = f"{level.name}/{Path(source).stem}.o"
+            objects.append(obj)
+            lines.append(f"build {obj}: cxx {q([str(CSRC / source)])}")
+            defines = [
+                f'-DMSTAR_ISA_LEVEL="{level.name}"',
+                f'-DMSTAR_MODULE="{module_name(level)}"',
+                f"-DMSTAR_PYINIT=PyInit_{module_name(level)}",
+            ]
+            lines.append(f"  flags = {q([*_KERNEL_FLAGS, *level.cflags, *defines])}")
+        lines.append(f"build {library_path(level).name}: link bindings.o {' '.join(objects)}")
+    return "\n".join(lines) + "\n"
+
+
+def build(levels: list[cpu_isa.Level]) -> float:
+    """Builds (or finds up to date) these levels' libraries; returns the seconds it took.
+
+    Raises RuntimeError with the compiler's output on failure: a build that fails is an error
+    for the caller to report, never a silent fallback.
+    """
+    start = time.monotonic()
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all(library_path(lvl).exists() for lvl in levels):
+            return time.monotonic() - start
+        (directory / "build.ninja").write_text(_ninja_file(levels))
+        targets = [library_path(lvl).name for lvl in levels]
+        jobs = str(max(1, os.cpu_count() or 1))
+        proc = subprocess.run(
+            [_ninja(), "-C", str(directory), "-j", jobs, *targets],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            raise RuntimeError(f"building the CPU kernels failed in {directory}:\n{tail}")
+    return time.monotonic() - start
+
+
+def _ninja() -> str:
+    """The ninja of the ``ninja`` package (a dependency), else one on PATH."""
+    try:
+        import ninja
+
+        return str(Path(ninja.BIN_DIR) / "ninja")
+    except (ImportError, AttributeError):
+        return "ninja"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mstar.kernels.build``: build the kernels ahead of first use."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mstar.kernels.build",
+        description="Build mstar's C++ CPU kernels into the shared cache "
+        f"({cache_root()}; {ENV_CACHE} moves it).",
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="every ISA level of this architecture (for images)"
+    )
+    parser.add_argument(
+        "--level",
+        action="append",
+        default=[],
+        help="a level to build (repeatable; default: the one this CPU runs, "
+        f"or {cpu_isa.ENV_LEVEL}'s)",
+    )
+    args = parser.parse_args(argv)
+    if args.all:
+        chosen = list(cpu_isa.levels())
+    elif args.level:
+        chosen = [cpu_isa.resolve(name) for name in args.level]
+    else:
+        chosen = [cpu_isa.chosen_level()]
+    seconds = build(chosen)
+    for level in chosen:
+        print(f"{level.name}: {library_path(level)}")
+    print(f"built in {seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""CPU GEMM selection: which kernel multiplies a linear layer's batch, chosen by the CPU.
+
+oneDNN's packed kernels serve prompt chunks and, where mstar has nothing faster, every batch;
+mstar's own bf16 GEMMs (`cpu_kernels`: AMX tiles, VDPBF16PS, FMA on widened bf16) serve
+decode-sized batches, where a step's time is streaming the weights from DRAM once. Every
+choice takes the CPU's features as a value (`cpu_isa.CpuFeatures`), so the tests check the
+choice any CPU would get, not only this machine's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.kernels import cpu_isa
+
+#: float32 batches below this many rows keep MKL's ``F.linear`` on Intel CPUs: measured on a
+#: 2-core AVX-512 Xeon over SmolLM2's four projections, oneDNN's packed float32 kernel is 1.45x
+#: slower at 1-2 rows and 1.35x / 1.27x / 1.14x faster at 8 / 32 / 64 (the LM head: 2.0x faster
+#: at 8). Elsewhere MKL's sgemm is slow at few rows: on a 2-core AMD EPYC (Zen 4) the packed
+#: kernel was 1.5x / 2.8x / 3.2x faster at 1 / 2 / 4 rows, so every batch takes it.
+INTEL_FLOAT32_PACKED_MIN_ROWS = 8
+
+
+def float32_packed_min_rows(features: cpu_isa.CpuFeatures | None = None) -> int:
+    """Rows from which float32 linears take oneDNN's packed kernel (see the constant above)."""
+    features = features or cpu_isa.planning_features()
+    intel = (
+        features.intel or not features.vendor
+    )  # unknown: both kernels, the choice measured first
+    return INTEL_FLOAT32_PACKED_MIN_ROWS if intel else 0
+
+
+#: Where the CPU has no bf16 math, bf16 batches from this many rows multiply float32 copies of
+#: their weights. oneDNN emulates bf16 GEMMs there: on a 2-core AVX-512 Xeon without
+#: AVX512-BF16, SmolLM2's linears ran 1.4x / 3.6x / 4.3x slower than float32 at 2 / 32 / 64
+#: rows. One row stays on the bf16 weight: it reads half the bytes, and in the engine a
+#: one-sequence decode step took 30 ms that way against 40 ms on float32 weights.
+BF16_FLOAT32_GEMM_MIN_ROWS = 2
+
+
+#: bf16 batches up to this many rows run `cpu_kernels.amx_linear` where the CPU has AMX tiles
+#: (a decode step's shapes: weights stream from DRAM once for a few dozen rows). Measured on a
+#: 2-core Xeon with AMX over SmolLM2's linears, weights cold: a step's 121 linears took
+#: 12.9 / 13.4 / 19.7 / 31.8 / 55.0 ms against oneDNN's 20.4 / 23.8 / 28.0 / 37.9 / 59.7 at
+#: 1 / 32 / 64 / 128 / 256 rows, but from 128 rows up the LM head alone was slower (8.1 vs
+#: 7.0 ms at 128, 15.7 vs 10.3 at 256), and prompt chunks are oneDNN's ground.
+AMX_MAX_ROWS = 128
+
+#: Where the CPU has AVX512-BF16 but no AMX, bf16 batches up to this many rows run
+#: `cpu_kernels.dpbf16_linear`. Measured on a 2-core Zen 5 over SmolLM2's 120 projections,
+#: weights cold: 5.6 / 5.0 / 9.6 / 18.2 / 34.0 ms against oneDNN's 8.7 / 8.1 / 14.0 / 23.4 /
+#: 38.4 at 1 / 8 / 32 / 64 / 128 rows; at 256 rows oneDNN's kernel was ahead (gate/up: 1.06 vs
+#: 1.27 ms), and prompt chunks are its ground.
+DPBF16_MAX_ROWS = 128
+
+
+#: Where the CPU has neither bf16 dot products nor a oneDNN bf16 GEMM (AVX2: oneDNN refuses bf16
+#: without AVX512 BW/VL/DQ or AVX-NE-CONVERT), bf16 batches up to this many rows run
+#: `cpu_kernels.fma_linear` over the bf16 weights, widened in registers; larger batches (prompt
+#: chunks) multiply float32 copies of the weights with oneDNN's float32 kernel.
+FMA_MAX_ROWS = 64
+
+
+def small_batch_kernel(
+    kernels: Any | None, features: cpu_isa.CpuFeatures | None = None
+) -> tuple[Any, Any, int] | None:
+    """(linear, pack_weight, max rows) of the bf16 GEMM for decode-sized batches on this CPU:
+    AMX tiles where it has them, else VDPBF16PS, else (where oneDNN has no bf16 GEMM) FMA on
+    widened bf16, else None (oneDNN's kernel for every batch)."""
+    if kernels is None:
+        return None
+    features = features or cpu_isa.planning_features()
+    if kernels.amx_available():
+        return kernels.amx_linear, kernels.amx_pack_weight, AMX_MAX_ROWS
+    if kernels.dpbf16_available():
+        return kernels.dpbf16_linear, kernels.dpbf16_pack_weight, DPBF16_MAX_ROWS
+    if not features.onednn_bf16 and kernels.fma_available():
+        return kernels.fma_linear, kernels.fma_pack_weight, FMA_MAX_ROWS
+    return None
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 math (AVX512-BF16 or AMX); without it bf16 GEMMs widen to float32."""
+    return cpu_isa.planning_features().bf16_math
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
+
+class PackedLinear(nn.Module):
+    """A CPU linear whose weight oneDNN reorders once, at load, into its blocked layout.
+
+    ``F.linear`` re-lays a bf16 weight out on every call; that made SmolLM2's bf16 linears 1.6x
+    slower at one token and 2.2x at 32 (micro-benchmark on a 2-core AVX-512 Xeon). In float32,
+    on Intel, oneDNN wins only from `float32_packed_min_rows` rows up, so a float32 layer there
+    keeps its plain weight too and small batches use it. Packed results are rounded differently from
+    ``F.linear``'s (not bit-identical); the exactness tests against transformers cover both.
+
+    ``float32_gemm`` (bf16 weights on a CPU without bf16 math, see `BF16_FLOAT32_GEMM_MIN_ROWS`):
+    batches from that many rows run a float32 GEMM on exact float32 copies of the bf16 weight
+    and input, rounding the output to bf16. That is a bf16 GEMM with float32 accumulation, what
+    oneDNN's emulation computes, at float32 speed; it costs a float32 copy of every weight.
+    Where oneDNN has no bf16 GEMM at all (``features.onednn_bf16`` false: AVX2) every batch past
+    the small-batch kernel takes that route, whatever ``float32_gemm`` says.
+
+    ``kernels`` (`cpu_kernels.load()`'s extension): where `small_batch_kernel` finds one (AMX
+    tiles, AVX512-BF16, or FMA where oneDNN has no bf16), a bf16 layer also keeps its weight
+    in that kernel's layout (``small_batch_weight``), and batches up to its row limit run it
+    (the same float32 accumulation rounded once).
+    """
+
+    packed_weight: torch.Tensor
+    small_batch_weight: torch.Tensor | None
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        *,
+        float32_gemm: bool = False,
+        kernels: Any | None = None,
+        features: cpu_isa.CpuFeatures | None = None,
+    ) -> None:
+        super().__init__()
+        features = features or cpu_isa.planning_features()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        self.bias = linear.bias
+        self.min_rows = 0
+        self.weight: torch.Tensor | None = None
+        self.few_rows_weight: torch.Tensor | None = None
+        self.float32_bias: torch.Tensor | None = None
+        #: batches past the small-batch kernel run a float32 GEMM (see ``float32_gemm``)
+        self.upcast = weight.dtype == torch.bfloat16 and (float32_gemm or not features.onednn_bf16)
+        if weight.dtype == torch.float32 and float32_packed_min_rows(features) > 1:
+            self.min_rows = float32_packed_min_rows(features)
+            self.weight = linear.weight
+        elif self.upcast:
+            if features.onednn_bf16:  # one row stays on the bf16 weight: half the bytes
+                self.min_rows = BF16_FLOAT32_GEMM_MIN_ROWS
+                self.few_rows_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            if linear.bias is not None:
+                self.float32_bias = linear.bias.detach().float()
+        packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.float() if self.upcast else weight, None
+        )
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.small_batch_linear: Any | None = None
+        self.small_batch_max_rows = 0
+        small = None
+        kernel = small_batch_kernel(kernels, features) if weight.dtype == torch.bfloat16 else None
+        if kernel is not None:
+            self.small_batch_linear, pack, self.small_batch_max_rows = kernel
+            small = pack(weight)
+        self.register_buffer("small_batch_weight", small, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_batch_weight is not None and x.shape[0] <= self.small_batch_max_rows:
+            assert self.small_batch_linear is not None
+            out: torch.Tensor = self.small_batch_linear(
+                x, self.small_batch_weight, self.out_features, self.bias
+            )
+            return out
+        if x.shape[0] < self.min_rows:
+            if self.weight is not None:
+                return F.linear(x, self.weight, self.bias)
+            assert self.few_rows_weight is not None
+            return _onednn_linear(x, self.few_rows_weight, self.bias)
+        if self.upcast:
+            out = _onednn_linear(x.float(), self.packed_weight, self.float32_bias)
+            return out.to(x.dtype)
+        return _onednn_linear(x, self.packed_weight, self.bias)
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN packing pays for bf16 and (from a few rows up) float32 on CPU."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float32)
+        and torch.backends.mkldnn.is_available()
+    )

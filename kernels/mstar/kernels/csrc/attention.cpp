@@ -1,0 +1,518 @@
+// Paged attention reading K/V straight from the cache pages: decode (one query row per
+// sequence) and causal prompt chunks. See cpu_kernels.py for what each kernel replaced and why.
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace mstar_cpu {
+namespace {
+
+// Scores of one query head against a block of up to 16 keys (slots past ``n`` repeat key 0 and
+// are overwritten with -inf by the caller).
+template <typename T, int NV>
+inline f16v block_scores(const f16v* qh, const T* const* kp) {
+  f16v acc[16];
+#pragma GCC unroll 16
+  for (int s = 0; s < 16; ++s) {
+    const T* k = kp[kBrev[s]];
+    f16v a = qh[0] * load(k);
+#pragma GCC unroll 16
+    for (int j = 1; j < NV; ++j) a += qh[j] * load(k + j * W);
+    acc[s] = a;
+  }
+  return reduce16(acc);
+}
+
+#if defined(__AVX512BF16__)
+// Scores of one bf16 query head (NV/2 vectors of 32 bf16) against 16 bf16 key rows: VDPBF16PS
+// multiplies pairs exactly and sums in float32, so the keys need no widening (bf16 decode at
+// batch 64, SmolLM2's heads: 590 -> 486 us per layer).
+template <int NV>
+inline f16v block_scores_bf16(const __m512bh* qh, const c10::BFloat16* const* kp) {
+  f16v acc[16];
+#pragma GCC unroll 16
+  for (int s = 0; s < 16; ++s) {
+    const c10::BFloat16* k = kp[kBrev[s]];
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[0], (__m512bh)_mm512_loadu_si512(k));
+#pragma GCC unroll 8
+    for (int j = 1; j < NV / 2; ++j)
+      a = _mm512_dpbf16_ps(a, qh[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+    acc[s] = (f16v)a;
+  }
+  return reduce16(acc);
+}
+#endif
+
+// Reads every K and V row of a sequence's tokens once before attending to them. The rows come
+// from DRAM (a step's cache is far larger than L3) and the attention loops, which compute as
+// they load, keep only a few misses in flight; this loop of independent loads keeps many, then
+// the loops read L2. bf16 at batch 64: 690 -> 522 us per layer; float32 1109 -> 790 (2-core
+// Zen 4; software prefetches of the same lines gained at most a third of that). Only a
+// thread's first sequence needs it: `RowPrefetcher` brings each later one in during the math
+// of the one before (bf16 batch 64: 442-464 -> 395-427 us per layer; batch 32: 357 -> 271;
+// float32 batch 64: 735 -> 684).
+template <typename T>
+inline void touch_rows(const T* kv, const int64_t* off, int64_t len, int64_t row,
+                       int64_t plane) {
+  i16v acc = {};
+  for (int64_t t = 0; t < len; ++t) {
+    const char* k = reinterpret_cast<const char*>(kv + off[t]);
+    const char* v = reinterpret_cast<const char*>(kv + off[t] + plane);
+    for (int64_t o = 0; o < row * static_cast<int64_t>(sizeof(T)); o += 64) {
+      i16v a, c;
+      std::memcpy(&a, k + o, 64);
+      std::memcpy(&c, v + o, 64);
+      acc += a ^ c;
+    }
+  }
+  keep_alive(acc);
+}
+
+// Brings the next sequence's K/V rows towards L2 while this one's math runs: a few cache-line
+// prefetches per step of the value loop, so they overlap the arithmetic instead of stalling it
+// the way `touch_rows`'s loads do for the first sequence a thread takes.
+template <typename T>
+struct RowPrefetcher {
+  const char* kv;
+  const int64_t* off;
+  int64_t len, row_bytes, plane_bytes, per;
+  int64_t t = 0, o = 0;
+  inline void step() {
+    for (int64_t i = 0; i < per && t < len; ++i) {
+      const char* k = kv + off[t] * static_cast<int64_t>(sizeof(T)) + o;
+      __builtin_prefetch(k, 0, 2);  // to L2: hints 3 (L1) and 0 (NTA) ran slower
+      __builtin_prefetch(k + plane_bytes, 0, 2);
+      o += 64;
+      if (o >= row_bytes) o = 0, ++t;
+    }
+  }
+  inline void step_n(int times) {
+    for (int i = 0; i < times; ++i) step();
+  }
+  inline void finish() {
+    while (t < len) step();
+  }
+};
+
+// Probability-weighted sum of V rows for HT query heads of one KV head, accumulators in registers.
+template <typename T, int NV, int HT>
+inline void weigh_values(const T* v0, const int64_t* off, int64_t len, const float* const* p,
+                         f16v* out, RowPrefetcher<T>& pf) {
+  f16v acc[HT][NV];
+  for (int h = 0; h < HT; ++h)
+    for (int j = 0; j < NV; ++j) acc[h][j] = f16v{};
+  for (int64_t l = 0; l < len; ++l) {
+    pf.step();
+    const T* v = v0 + off[l];
+    f16v vr[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) vr[j] = load(v + j * W);
+#pragma GCC unroll 4
+    for (int h = 0; h < HT; ++h) {
+      const float w = p[h][l];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[h][j] += w * vr[j];
+    }
+  }
+  for (int h = 0; h < HT; ++h)
+    for (int j = 0; j < NV; ++j) out[h * NV + j] = acc[h][j];
+}
+
+template <typename T, int NV>
+void weigh_values_n(int n, const T* v0, const int64_t* off, int64_t len, const float* const* p,
+                    f16v* out, RowPrefetcher<T>& pf) {
+  switch (n) {
+    case 1: return weigh_values<T, NV, 1>(v0, off, len, p, out, pf);
+    case 2: return weigh_values<T, NV, 2>(v0, off, len, p, out, pf);
+    case 3: return weigh_values<T, NV, 3>(v0, off, len, p, out, pf);
+    default: return weigh_values<T, NV, 4>(v0, off, len, p, out, pf);
+  }
+}
+
+// One task per sequence on torch's OpenMP team. Its K/V rows are already on their way to L2
+// (`touch_rows` for a thread's first, `RowPrefetcher` during the one before for the rest), then
+// per KV head: scores for 16 keys at a time (every query head of the group against the same K
+// rows, read from L1 after the first; bf16 rows go to VDPBF16PS where the CPU has it, else are
+// widened to float32 once per block, not once per head), a vectorised softmax, then the values
+// weighed with the group's accumulators in registers.
+template <typename T, int NV>
+void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* kv,
+            const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
+            int64_t hkv, int64_t page_size, int64_t max_pages, float scale) {
+  constexpr int64_t dim = NV * W;
+  constexpr int HT_MAX = NV >= 16 ? 1 : (NV >= 8 ? 2 : 4);
+  const int64_t group = hq / hkv;
+  const int64_t row = hkv * dim;          // one token of one plane (K or V) of a page
+  const int64_t plane = page_size * row;  // K or V of one page
+  // bf16 scores by VDPBF16PS where the CPU has it (unscaled: scale is applied to the sums).
+  constexpr bool kDotBf16 = kHasDotBf16 && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+  // Sequences are handed out one at a time (their lengths differ, a static split idles a core),
+  // each thread claiming its next one before attending to the current, whose rows it prefetches.
+  std::atomic<int64_t> claimed{0};
+  const auto offsets = [&](int64_t b, std::vector<int64_t>& off) {
+    const int64_t* pages = table + b * max_pages;
+    off.resize(lens[b]);
+    for (int64_t l = 0, page = 0, slot = 0; l < lens[b]; ++l) {
+      off[l] = pages[page] * 2 * plane + slot * row;
+      if (++slot == page_size) slot = 0, ++page;
+    }
+  };
+  const int64_t line_steps = (row * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t value_passes = hkv * ((group + HT_MAX - 1) / HT_MAX);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<int64_t> off, next_off;
+    // The VDPBF16PS path reads keys in place and q as bf16: no widened block, no float q.
+    std::vector<float> scores, kblock(kDotBf16 ? 0 : 16 * dim);
+    std::vector<f16v> qv(kDotBf16 ? 0 : hq * NV), acc(hq * NV);
+#if defined(__AVX512BF16__)
+    std::vector<__m512bh> qb(kDotBf16 ? hq * NV / 2 : 0);
+#endif
+    std::vector<float> inv(hq);
+    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    int64_t b = claimed.fetch_add(1);
+    if (b < batch) {
+      offsets(b, off);
+      touch_rows(kv, off.data(), lens[b], row, plane);
+    }
+    while (b < batch) {
+      const int64_t nb = claimed.fetch_add(1);
+      const int64_t next_len = nb < batch ? lens[nb] : 0;
+      if (nb < batch) offsets(nb, next_off);
+      const int64_t len = lens[b];
+      // One prefetch step per value row weighed, and 16 per block of scores (its 16 keys).
+      const int64_t steps =
+          std::max<int64_t>(1, value_passes * len + hkv * ((len + W - 1) / W) * W);
+      RowPrefetcher<T> pf{reinterpret_cast<const char*>(kv), next_off.data(), next_len,
+                          row * static_cast<int64_t>(sizeof(T)),
+                          plane * static_cast<int64_t>(sizeof(T)),
+                          (next_len * line_steps + steps - 1) / steps};
+      const int64_t padded = (len + W - 1) / W * W;
+      scores.resize(hq * padded);
+      for (int64_t h = 0; h < hq; ++h) {
+        const T* qh = q + b * q_batch_stride + h * q_head_stride;
+#if defined(__AVX512BF16__)
+        if constexpr (kDotBf16) {
+          for (int64_t j = 0; j < NV / 2; ++j)
+            qb[h * (NV / 2) + j] = (__m512bh)_mm512_loadu_si512(qh + j * 32);
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < NV; ++j) qv[h * NV + j] = load(qh + j * W) * scale;
+      }
+      for (int64_t hk = 0; hk < hkv; ++hk) {
+        const T* kbase = kv + hk * dim;
+        for (int64_t l0 = 0; l0 < len; l0 += W) {
+          const int64_t n = std::min<int64_t>(W, len - l0);
+#if defined(__AVX512BF16__)
+          if constexpr (kDotBf16) {
+            const c10::BFloat16* kb[16];
+            for (int64_t t = 0; t < 16; ++t) kb[t] = kbase + off[l0 + (t < n ? t : 0)];
+            for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+              float* sh = scores.data() + h * padded + l0;
+              store(sh, block_scores_bf16<NV>(qb.data() + h * (NV / 2), kb) * scale);
+              for (int64_t t = n; t < W; ++t) sh[t] = -INFINITY;
+            }
+            pf.step_n(W);
+            continue;
+          }
+#endif
+          const float* kp[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            const T* k = kbase + off[l0 + (t < n ? t : 0)];
+            if constexpr (std::is_same_v<T, float>) {
+              kp[t] = k;
+            } else {  // widen the block once for every query head of the group
+              float* wide = kblock.data() + t * dim;
+              for (int64_t j = 0; j < NV; ++j) store(wide + j * W, load(k + j * W));
+              kp[t] = wide;
+            }
+          }
+          for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+            float* sh = scores.data() + h * padded + l0;
+            store(sh, block_scores<float, NV>(qv.data() + h * NV, kp));
+            for (int64_t t = n; t < W; ++t) sh[t] = -INFINITY;
+          }
+          pf.step_n(W);
+        }
+      }
+      const int64_t tail = len - (padded - W);  // real keys in the last block
+      for (int64_t h = 0; h < hq; ++h) {
+        float* sh = scores.data() + h * padded;
+        f16v m = load(sh);
+        for (int64_t c = W; c < padded; c += W) {
+          const f16v v = load(sh + c);
+          m = v > m ? v : m;
+        }
+        float mx = m[0];
+        for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
+        f16v sum = f16v{};
+        for (int64_t c = 0; c < padded; c += W) {
+          f16v e = vexp(load(sh + c) - mx);
+          if (c + W == padded) e = lane < static_cast<int32_t>(tail) ? e : f16v{};
+          store(sh + c, e);
+          sum += e;
+        }
+        inv[h] = 1.f / hsum(sum);
+      }
+      for (int64_t hk = 0; hk < hkv; ++hk) {
+        const T* v0 = kv + plane + hk * dim;
+        for (int64_t h0 = hk * group; h0 < (hk + 1) * group; h0 += HT_MAX) {
+          const int n = static_cast<int>(std::min<int64_t>(HT_MAX, (hk + 1) * group - h0));
+          const float* p[4];
+          for (int i = 0; i < n; ++i) p[i] = scores.data() + (h0 + i) * padded;
+          weigh_values_n<T, NV>(n, v0, off.data(), len, p, acc.data() + h0 * NV, pf);
+        }
+      }
+      T* o = out + b * hq * dim;
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t j = 0; j < NV; ++j) store(o + h * dim + j * W, acc[h * NV + j] * inv[h]);
+      pf.finish();
+      off.swap(next_off);
+      b = nb;
+    }
+  }
+}
+
+// Causal attention for the several-query rows of a step (prompt chunks), keys read from the
+// cache pages (K/V are written before attending). Sequence b's queries are rows
+// q_start[b] .. + q_len[b] of q, the last q_len[b] of its kv_len[b] positions. One task per
+// (sequence, KV head, block of PF_ROWS query rows), handed out dynamically since later rows see
+// more keys: the task widens its keys once into float32 K^T [D, keys] and V [keys, D], then
+// for 4 query rows of a head at a time takes 16 scores per pass over D (one K load feeds 4
+// FMAs), a softmax in float32, and the value sum with 4 x D/16 accumulators in registers.
+constexpr int64_t PF_ROWS = 32;
+constexpr int PF_R = 4;
+
+template <typename T, int NV>
+void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* table,
+             int64_t max_pages, const int64_t* kv_lens, const int64_t* q_starts,
+             const int64_t* q_lens, int64_t batch, T* out, int64_t hq, int64_t hkv,
+             int64_t page_size, float scale) {
+  constexpr int64_t D = NV * W;
+  // bf16 scores by VDPBF16PS where the CPU has it, on a K^T of bf16 pairs.
+  constexpr bool kDotBf16 = kHasDotBf16 && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+  const int64_t group = hq / hkv, head_row = hkv * D;
+  std::vector<int64_t> items;  // (b, hk, first row) triples
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t hk = 0; hk < hkv; ++hk)
+      for (int64_t r0 = 0; r0 < q_lens[b]; r0 += PF_ROWS) items.insert(items.end(), {b, hk, r0});
+  const int64_t n_items = static_cast<int64_t>(items.size()) / 3;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t it = 0; it < n_items; ++it) {
+    const int64_t b = items[3 * it], hk = items[3 * it + 1], r0 = items[3 * it + 2];
+    const int64_t n = q_lens[b], first = kv_lens[b] - n, r1 = std::min(n, r0 + PF_ROWS);
+    const int64_t keys = first + r1, lp = (keys + W - 1) / W * W;
+    const int64_t* pt = table + b * max_pages;
+    auto key_row = [&](int64_t l, int64_t plane) {
+      return kv + ((pt[l / page_size] * 2 + plane) * page_size + l % page_size) * head_row +
+             hk * D;
+    };
+    // Per-thread, grow-only: a long prompt's K^T / V run to megabytes, fresh ones per task
+    // would be mapped and faulted in every time. Only K^T's padding columns need zeros.
+    thread_local std::vector<float> kt, vf, sc;
+    thread_local std::vector<uint32_t> kt2;
+    vf.resize(std::max<size_t>(vf.size(), keys * D));
+    sc.resize(std::max<size_t>(sc.size(), PF_R * lp));
+    if constexpr (kDotBf16) {  // K^T as bf16 pairs: kt2[p][l] = (k[l][2p], k[l][2p + 1])
+      kt2.resize(std::max<size_t>(kt2.size(), D / 2 * lp));
+      for (int64_t p = 0; p < D / 2; ++p)
+        std::fill(kt2.begin() + p * lp + keys, kt2.begin() + (p + 1) * lp, 0u);
+      uint32_t* const dst = kt2.data();
+      for (int64_t l = 0; l < keys; ++l) {
+        const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row(l, 0));
+        for (int64_t p = 0; p < D / 2; ++p) dst[p * lp + l] = k[p];
+      }
+    } else {
+      kt.resize(std::max<size_t>(kt.size(), D * lp));
+      for (int64_t d = 0; d < D; ++d)
+        std::fill(kt.begin() + d * lp + keys, kt.begin() + (d + 1) * lp, 0.f);
+      float* const dst = kt.data();
+      for (int64_t l = 0; l < keys; ++l) {
+        const T* k = key_row(l, 0);
+        for (int64_t c = 0; c < NV; ++c) {
+          const f16v kc = load(k + c * W);
+          for (int e = 0; e < W; ++e) dst[(c * W + e) * lp + l] = kc[e];
+        }
+      }
+    }
+    // Plain pointers to the thread_local storage, looked up once per task: inside the loops
+    // each access to a thread_local of this shared library is a TLS lookup (the key loop of the
+    // values ran 1.5x slower that way).
+    float* const vfp = vf.data();
+    float* const scp = sc.data();
+    const uint32_t* const kt2p = kt2.data();
+    const float* const ktp = kt.data();
+    for (int64_t l = 0; l < keys; ++l) {
+      const T* v = key_row(l, 1);
+      for (int64_t c = 0; c < NV; ++c) store(vfp + l * D + c * W, load(v + c * W));
+    }
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t i0 = r0; i0 < r1; i0 += PF_R) {
+        const int nr = static_cast<int>(std::min<int64_t>(PF_R, r1 - i0));
+        const T* qr[PF_R];
+        for (int i = 0; i < PF_R; ++i)
+          qr[i] = q + (q_starts[b] + i0 + std::min(i, nr - 1)) * qs0 + h * qs1;
+        const int64_t hi = first + i0 + nr;  // keys the block's last row sees
+#if defined(__AVX512BF16__)
+        if constexpr (kDotBf16) {
+          uint32_t qp[PF_R][D / 2];
+          for (int i = 0; i < PF_R; ++i) std::memcpy(qp[i], qr[i], sizeof qp[i]);
+          // Three blocks of 16 keys at a time: 12 independent accumulators keep both FMA
+          // pipes busy through VDPBF16PS's latency (4 were latency-bound); then the rest.
+          const int64_t hi_blocks = (hi + W - 1) / W * W;
+          int64_t j = 0;
+          for (; j + 3 * W <= hi_blocks; j += 3 * W) {
+            __m512 acc[PF_R][3];
+            for (int i = 0; i < PF_R; ++i)
+              acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int64_t p = 0; p < D / 2; ++p) {
+              const uint32_t* kp = kt2p + p * lp + j;
+              const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp);
+              const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + W);
+              const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kp + 2 * W);
+#pragma GCC unroll 4
+              for (int i = 0; i < PF_R; ++i) {
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32(qp[i][p]);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qb, k0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qb, k1);
+                acc[i][2] = _mm512_dpbf16_ps(acc[i][2], qb, k2);
+              }
+            }
+            for (int i = 0; i < PF_R; ++i)
+              for (int c = 0; c < 3; ++c)
+                store(scp + i * lp + j + c * W, (f16v)acc[i][c] * scale);
+          }
+          for (; j < hi; j += W) {
+            __m512 acc[PF_R];
+            for (int i = 0; i < PF_R; ++i) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int64_t p = 0; p < D / 2; ++p) {
+              const __m512bh kd = (__m512bh)_mm512_loadu_si512(kt2p + p * lp + j);
+#pragma GCC unroll 4
+              for (int i = 0; i < PF_R; ++i)
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(qp[i][p]), kd);
+            }
+            for (int i = 0; i < PF_R; ++i) store(scp + i * lp + j, (f16v)acc[i] * scale);
+          }
+        }
+#endif
+        if constexpr (!kDotBf16) {
+          float qv[PF_R][D];
+          for (int i = 0; i < PF_R; ++i)
+            for (int64_t d = 0; d < D; ++d) qv[i][d] = static_cast<float>(qr[i][d]);
+          for (int64_t j = 0; j < hi; j += W) {
+            f16v acc[PF_R] = {};
+#pragma GCC unroll 8
+            for (int64_t d = 0; d < D; ++d) {
+              const f16v kd = load(ktp + d * lp + j);
+#pragma GCC unroll 4
+              for (int i = 0; i < PF_R; ++i) acc[i] += qv[i][d] * kd;
+            }
+            for (int i = 0; i < PF_R; ++i) store(scp + i * lp + j, acc[i] * scale);
+          }
+        }
+        float inv[PF_R];
+        for (int i = 0; i < PF_R; ++i) {
+          float* row = scp + i * lp;
+          const int64_t lim = i < nr ? first + i0 + i + 1 : 0;  // keys row i sees
+          float mx = -INFINITY;
+          const int64_t vec_lim = lim / W * W;
+          f16v m = f16v{} - INFINITY;
+          for (int64_t j = 0; j < vec_lim; j += W) {
+            const f16v x = load(row + j);
+            m = x > m ? x : m;
+          }
+          for (int e = 0; e < W; ++e) mx = std::max(mx, m[e]);
+          for (int64_t j = vec_lim; j < lim; ++j) mx = std::max(mx, row[j]);
+          f16v sum = f16v{};
+          for (int64_t j = 0; j < vec_lim; j += W) {
+            const f16v e = vexp(load(row + j) - mx);
+            store(row + j, e);
+            sum += e;
+          }
+          float total = hsum(sum);
+          for (int64_t j = vec_lim; j < lim; ++j) total += row[j] = std::exp(row[j] - mx);
+          for (int64_t j = lim; j < hi; ++j) row[j] = 0.f;
+          inv[i] = lim > 0 ? 1.f / total : 0.f;
+        }
+        f16v o[PF_R][NV] = {};
+        for (int64_t j = 0; j < hi; ++j) {
+          const float* vr = vfp + j * D;
+          f16v vv[NV];
+#pragma GCC unroll 16
+          for (int v = 0; v < NV; ++v) vv[v] = load(vr + v * W);
+#pragma GCC unroll 4
+          for (int i = 0; i < PF_R; ++i) {
+            const float pj = scp[i * lp + j];
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; ++v) o[i][v] += pj * vv[v];
+          }
+        }
+        for (int i = 0; i < nr; ++i) {
+          T* dst = out + ((q_starts[b] + i0 + i) * hq + h) * D;
+          for (int v = 0; v < NV; ++v) store(dst + v * W, o[i][v] * inv[i]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
+                const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
+                int64_t hkv, int64_t page_size, int64_t max_pages, float scale) {
+#define DECODE(NV) \
+  decode<T, NV>(q, qs0, qs1, kv, table, lens, out, batch, hq, hkv, page_size, max_pages, scale)
+  switch (dim) {
+    case 16: return DECODE(1);
+    case 32: return DECODE(2);
+    case 64: return DECODE(4);
+    case 128: return DECODE(8);
+    case 256: return DECODE(16);
+    default: TORCH_CHECK(false, "paged_decode: head_dim must be 16, 32, 64, 128 or 256");
+  }
+#undef DECODE
+}
+
+template <typename T>
+void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
+                 const int64_t* table, int64_t max_pages, const int64_t* kv_lens,
+                 const int64_t* q_starts, const int64_t* q_lens, int64_t batch, T* out,
+                 int64_t hq, int64_t hkv, int64_t page_size, float scale) {
+#define PREFILL(NV)                                                                          \
+  prefill<T, NV>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts, q_lens, batch, out, hq, \
+                 hkv, page_size, scale)
+  switch (dim) {
+    case 16: return PREFILL(1);
+    case 32: return PREFILL(2);
+    case 64: return PREFILL(4);
+    case 128: return PREFILL(8);
+    case 256: return PREFILL(16);
+    default: TORCH_CHECK(false, "paged_prefill: head_dim must be 16, 32, 64, 128 or 256");
+  }
+#undef PREFILL
+}
+
+template void decode_dim<float>(int64_t, const float*, int64_t, int64_t, const float*,
+                                const int64_t*, const int64_t*, float*, int64_t, int64_t,
+                                int64_t, int64_t, int64_t, float);
+template void decode_dim<bf16>(int64_t, const bf16*, int64_t, int64_t, const bf16*,
+                               const int64_t*, const int64_t*, bf16*, int64_t, int64_t, int64_t,
+                               int64_t, int64_t, float);
+template void prefill_dim<float>(int64_t, const float*, int64_t, int64_t, const float*,
+                                 const int64_t*, int64_t, const int64_t*, const int64_t*,
+                                 const int64_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                                 float);
+template void prefill_dim<bf16>(int64_t, const bf16*, int64_t, int64_t, const bf16*,
+                                const int64_t*, int64_t, const int64_t*, const int64_t*,
+                                const int64_t*, int64_t, bf16*, int64_t, int64_t, int64_t, float);
+
+}  // namespace mstar_cpu

@@ -1,0 +1,399 @@
+// The tensor side of the CPU kernels: shape, dtype and bounds checks, output allocation, and
+// the Python bindings. Compiled once for the x86-64 baseline (torch's headers take a minute to
+// compile) and linked into every ISA level's library beside that level's kernel objects, which
+// it calls through kernels.h.
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "kernels.h"
+
+namespace {
+
+// Rows of a [T, H, D] view whose heads are contiguous rows of D (a slice of a fused QKV row).
+void check_head_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              name, " must be [T, H, D] with contiguous heads");
+}
+
+// float32 or bfloat16, the same for every tensor of a glue op.
+bool glue_dtype(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16;
+}
+
+// Calls f with a value of x's element type (float or c10::BFloat16): one dispatch for every op.
+template <typename F>
+void by_dtype(const torch::Tensor& x, const char* op, F&& f) {
+  if (x.scalar_type() == torch::kFloat32)
+    f(float{});
+  else if (x.scalar_type() == torch::kBFloat16)
+    f(c10::BFloat16{});
+  else
+    TORCH_CHECK(false, op, ": float32 or bfloat16 only");
+}
+
+// A GEMM's optional bias [N] as a pointer (null for none), refused unless contiguous bf16.
+const c10::BFloat16* linear_bias(const c10::optional<torch::Tensor>& bias, int64_t n,
+                                 const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
+              op, ": bias must be contiguous bfloat16 [N]");
+  return bias->data_ptr<c10::BFloat16>();
+}
+
+// The checks every packed-weight GEMM makes of x and of the weight it packs.
+void check_gemm_x(const torch::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, op,
+              ": x must be bfloat16 [M, K] with contiguous rows");
+}
+torch::Tensor pack_input(const torch::Tensor& weight, const char* op) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, op,
+              ": weight must be bfloat16 [N, K]");
+  return weight.contiguous();
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace
+
+std::string isa_level() { return mstar_cpu::isa_level(); }
+
+// q [B, Hq, D] (heads contiguous, any batch stride); kv_layer [pages, 2, S, Hkv, D];
+// page_table int64 [B, max_pages]; kv_lens int64 [B]. Returns [B, Hq, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_table,
+                           torch::Tensor kv_lens, double scale) {
+  TORCH_CHECK(kv_layer.dim() == 5 && page_table.dim() == 2, "bad ranks");
+  check_head_rows(q, "q");
+  TORCH_CHECK(kv_layer.is_contiguous() && page_table.is_contiguous() && kv_lens.is_contiguous(),
+              "kv_layer, page_table and kv_lens must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and the cache differ in dtype");
+  TORCH_CHECK(page_table.scalar_type() == torch::kInt64 && kv_lens.scalar_type() == torch::kInt64,
+              "page_table and kv_lens must be int64");
+  const int64_t batch = q.size(0), hq = q.size(1), dim = q.size(2);
+  const int64_t page_size = kv_layer.size(2), hkv = kv_layer.size(3);
+  TORCH_CHECK(kv_layer.size(1) == 2 && kv_layer.size(4) == dim && hq % hkv == 0, "bad shapes");
+  TORCH_CHECK(page_table.size(0) == batch && kv_lens.size(0) == batch, "bad batch");
+  auto out = torch::empty({batch, hq, dim}, q.options());
+  const auto* table = page_table.data_ptr<int64_t>();
+  const auto* lens = kv_lens.data_ptr<int64_t>();
+  by_dtype(q, "paged_decode", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::decode_dim<T>(dim, q.data_ptr<T>(), q.stride(0), q.stride(1), kv_layer.data_ptr<T>(), table,
+                  lens, out.data_ptr<T>(), batch, hq, hkv, page_size, page_table.size(1),
+                  static_cast<float>(scale));
+  });
+  return out;
+}
+
+// Causal attention of the several-query sequences of a step, writing their rows of out
+// [T, Hq, D] (contiguous): q [T, Hq, D] (heads contiguous), kv_layer [pages, 2, S, Hkv, D],
+// page_table int64 [B, max_pages], kv_lens / q_starts / q_lens int64 [B].
+void paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_table,
+                   torch::Tensor kv_lens, torch::Tensor q_starts, torch::Tensor q_lens,
+                   double scale, torch::Tensor out) {
+  check_head_rows(q, "q");
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2 && kv_layer.is_contiguous(),
+              "kv_layer must be a contiguous [pages, 2, S, H, D]");
+  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and the cache differ in dtype");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  const int64_t batch = kv_lens.size(0), hq = q.size(1), hkv = kv_layer.size(3);
+  for (const auto* t : {&page_table, &kv_lens, &q_starts, &q_lens})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kInt64,
+                "page table and lengths must be contiguous int64");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch && q_starts.size(0) == batch &&
+                  q_lens.size(0) == batch, "page table and lengths differ in batch");
+  TORCH_CHECK(hq % hkv == 0 && q.size(2) == kv_layer.size(4), "head counts / dims do not match");
+  const int64_t max_pages = page_table.size(1), page_size = kv_layer.size(2);
+  const int64_t pages = kv_layer.size(0);
+  const auto* lens = kv_lens.data_ptr<int64_t>();
+  const auto* starts = q_starts.data_ptr<int64_t>();
+  const auto* qlens = q_lens.data_ptr<int64_t>();
+  const auto* table = page_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(qlens[b] >= 1 && qlens[b] <= lens[b] && starts[b] >= 0 &&
+                    starts[b] + qlens[b] <= q.size(0) && lens[b] <= max_pages * page_size,
+                "paged_prefill: sequence ", b, " has bad lengths");
+    for (int64_t j = 0; j < (lens[b] + page_size - 1) / page_size; ++j)
+      TORCH_CHECK(table[b * max_pages + j] >= 0 && table[b * max_pages + j] < pages,
+                  "paged_prefill: page ", table[b * max_pages + j], " is outside the cache");
+  }
+  by_dtype(q, "paged_prefill", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::prefill_dim<T>(q.size(2), q.data_ptr<T>(), q.stride(0), q.stride(1), kv_layer.data_ptr<T>(),
+                   table, max_pages, lens, starts, qlens, batch, out.data_ptr<T>(), hq, hkv,
+                   page_size, static_cast<float>(scale));
+  });
+}
+
+// Copy k, v [T, Hkv, D] into kv_layer [pages, 2, S, Hkv, D] at flat slots (page * S + offset).
+void write_kv(torch::Tensor kv_layer, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2 && kv_layer.is_contiguous(),
+              "kv_layer must be a contiguous [pages, 2, S, H, D]");
+  check_head_rows(k, "k");
+  check_head_rows(v, "v");
+  TORCH_CHECK(k.scalar_type() == kv_layer.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "k, v and the cache differ in dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.is_contiguous() && slots.scalar_type() == torch::kInt64,
+              "slots must be a contiguous int64 [T]");
+  const int64_t tokens = slots.size(0), page_size = kv_layer.size(2);
+  TORCH_CHECK(k.size(0) == tokens && v.size(0) == tokens, "k, v and slots differ in length");
+  TORCH_CHECK(k.size(1) == kv_layer.size(3) && k.size(2) == kv_layer.size(4) &&
+              v.sizes() == k.sizes(), "k / v shape does not match the cache");
+  const int64_t capacity = kv_layer.size(0) * page_size;
+  const int64_t row = k.size(1) * k.size(2);
+  const int64_t bytes = row * static_cast<int64_t>(k.element_size());
+  const auto* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "write_kv: slot ", slot[t],
+                " is outside the cache's ", capacity, " slots");
+  auto* base = static_cast<char*>(kv_layer.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size();
+  const int64_t v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t page = slot[t] / page_size, offset = slot[t] % page_size;
+    char* dst = base + ((page * 2 * page_size) + offset) * bytes;
+    std::memcpy(dst, ks + t * k_stride, bytes);
+    std::memcpy(dst + page_size * bytes, vs + t * v_stride, bytes);
+  }
+}
+
+// x, residual [T, H] and weight [H], all float32 or all bf16: see `add_rms_norm_rows`.
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(glue_dtype(x) && residual.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: x, residual and weight all float32 or all bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
+                  weight.is_contiguous() && residual.sizes() == x.sizes() &&
+                  weight.dim() == 1 && weight.size(0) == x.size(1),
+              "add_rms_norm_: x and residual [T, H] contiguous, weight [H]");
+  by_dtype(x, "add_rms_norm_", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::add_rms_norm_rows(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), x.size(0),
+                      x.size(1), static_cast<float>(eps));
+  });
+}
+
+// x [T, 2I] (gate | up, the fused projection's output), float32 or bf16 -> [T, I].
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(glue_dtype(x) && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_mul: float32 or bfloat16 contiguous [T, 2I]");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = torch::empty({rows, inter}, x.options());
+  by_dtype(x, "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::silu_mul_rows(x.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
+  });
+  return out;
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(glue_dtype(x) && x.dim() == 2 && x.stride(1) == 1,
+              "argmax_rows: float32 or bfloat16 [n, V] with contiguous rows");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 31), "argmax_rows: bad vocab size");
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  by_dtype(x, "argmax_rows", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::argmax_rows_of(x.data_ptr<T>(), rows, vocab, x.stride(0), out.data_ptr<int64_t>());
+  });
+  return out;
+}
+
+// One draw per row of x [n, V] (float32, contiguous rows) from softmax(x), by inverse CDF: the
+// first index whose running sum of exp(x - max) exceeds u[r] (float64 in [0, 1)) times the
+// row's total. -inf entries (filtered tokens) and NaN have probability 0. Two passes over a row
+// and one uniform per row, where Gumbel-max needs a uniform, two logs and an add per entry.
+torch::Tensor sample_rows(torch::Tensor x, torch::Tensor u) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "sample_rows: float32 [n, V] with contiguous rows");
+  TORCH_CHECK(u.scalar_type() == torch::kFloat64 && u.dim() == 1 && u.is_contiguous() &&
+                  u.size(0) == x.size(0), "sample_rows: u must be float64 [n]");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  TORCH_CHECK(vocab > 0, "sample_rows: empty rows");
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  mstar_cpu::sample_rows_of(x.data_ptr<float>(), rows, vocab, x.stride(0), u.data_ptr<double>(),
+                            out.data_ptr<int64_t>());
+  return out;
+}
+
+// RoPE in place on x [T, H, D] (rotate_half layout) with cos / sin [T, 1, D/2], all float32
+// or all bf16.
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_head_rows(x, "x");
+  TORCH_CHECK(glue_dtype(x) && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "rope_: x, cos and sin all float32 or all bfloat16");
+  const int64_t half = x.size(2) / 2;
+  TORCH_CHECK(x.size(2) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == x.size(0) * half && sin.numel() == cos.numel(),
+              "rope_: cos / sin must be contiguous [T, 1, D/2]");
+  by_dtype(x, "rope_", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::rotate_rows(x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0), half, cos.data_ptr<T>(),
+                sin.data_ptr<T>());
+  });
+}
+
+// True where this level has AMX bf16 tiles and the kernel granted them: `amx_linear` runs.
+bool amx_available() { return mstar_cpu::amx_compiled() && mstar_cpu::request_amx(); }
+
+// Weight [N, K] bf16 -> [ceil(N/32), ceil(K/32), 2, 16, 32] B tiles for `amx_linear`: per
+// panel of 32 columns and K step of 32, two tiles of 16 k-pairs x (16 columns x 2 k),
+// zero-padded past N and K.
+torch::Tensor amx_pack_weight(torch::Tensor weight) {
+  const auto w = pack_input(weight, "amx_pack_weight");
+  const int64_t n = w.size(0), k = w.size(1);
+  auto packed = torch::zeros({round_up(n, mstar_cpu::kAmxPanelCols) / mstar_cpu::kAmxPanelCols,
+                              round_up(k, mstar_cpu::kAmxTileK) / mstar_cpu::kAmxTileK, 2, 16, 32},
+                             w.options());
+  mstar_cpu::amx_pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
+  return packed;
+}
+
+// x [M, K] bf16 (rows contiguous) @ weight.T (+ bias) -> [M, N] bf16, float32 accumulation
+// rounded once, over `amx_pack_weight`'s tiles (see gemm_amx.cpp).
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(amx_available(), "amx_linear: this CPU or build has no AMX bf16 tiles");
+  check_gemm_x(x, "amx_linear");
+  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "amx_linear: packed must come from amx_pack_weight");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), steps = packed.size(1);
+  TORCH_CHECK(round_up(k, mstar_cpu::kAmxTileK) == steps * mstar_cpu::kAmxTileK && n > 0 &&
+                  round_up(n, mstar_cpu::kAmxPanelCols) == panels * mstar_cpu::kAmxPanelCols,
+              "amx_linear: x's K or N does not match the packed weight");
+  const c10::BFloat16* bias_p = linear_bias(bias, n, "amx_linear");
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  // A tiles load 64 bytes of K per row straight from x; a K that is not a whole number of
+  // steps goes through a zero-padded copy (no model here has one).
+  torch::Tensor a = x;
+  if (k != steps * mstar_cpu::kAmxTileK) {
+    a = torch::zeros({m, steps * mstar_cpu::kAmxTileK}, x.options());
+    a.narrow(1, 0, k).copy_(x);
+  }
+  mstar_cpu::amx_gemm(a.data_ptr<c10::BFloat16>(), a.stride(0), m, steps,
+                      packed.data_ptr<c10::BFloat16>(), panels, n, bias_p,
+                      out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+// True where this level has VDPBF16PS (AVX512-BF16): `dpbf16_linear` runs.
+bool dpbf16_available() { return mstar_cpu::dpbf16_compiled(); }
+
+// Weight [N, K] bf16 -> [ceil(N/32), ceil(K/2), 32, 2] for `dpbf16_linear`: per panel of 32
+// columns, one row of (column, k-pair) per pair of K, zero-padded past N and K.
+torch::Tensor dpbf16_pack_weight(torch::Tensor weight) {
+  const auto w = pack_input(weight, "dpbf16_pack_weight");
+  const int64_t n = w.size(0), k = w.size(1);
+  auto packed = torch::zeros(
+      {round_up(n, mstar_cpu::kDotCols) / mstar_cpu::kDotCols, (k + 1) / 2, mstar_cpu::kDotCols, 2},
+      w.options());
+  mstar_cpu::dpbf16_pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
+  return packed;
+}
+
+// x [M, K] bf16 (rows contiguous) @ weight.T (+ bias) -> [M, N] bf16, float32 accumulation
+// rounded once, over `dpbf16_pack_weight`'s panels (see gemm_dpbf16.cpp).
+torch::Tensor dpbf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(dpbf16_available(), "dpbf16_linear: this CPU or build has no AVX512-BF16");
+  check_gemm_x(x, "dpbf16_linear");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(2) == mstar_cpu::kDotCols &&
+                  packed.size(3) == 2,
+              "dpbf16_linear: packed must come from dpbf16_pack_weight");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK((k + 1) / 2 == pairs && n > 0 &&
+                  round_up(n, mstar_cpu::kDotCols) == panels * mstar_cpu::kDotCols,
+              "dpbf16_linear: x's K or N does not match the packed weight");
+  const c10::BFloat16* bias_p = linear_bias(bias, n, "dpbf16_linear");
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  mstar_cpu::dpbf16_gemm(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k,
+                         packed.data_ptr<c10::BFloat16>(), panels, n, bias_p,
+                         out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+// True where this level has FMA (x86-64-v3 and up): `fma_linear` runs.
+bool fma_available() { return mstar_cpu::fma_compiled(); }
+
+// Weight [N, K] bf16 -> [ceil(N/16), K, 16] for `fma_linear`, zero-padded past N.
+torch::Tensor fma_pack_weight(torch::Tensor weight) {
+  const auto w = pack_input(weight, "fma_pack_weight");
+  const int64_t n = w.size(0), k = w.size(1);
+  auto packed = torch::zeros(
+      {round_up(n, mstar_cpu::kFmaCols) / mstar_cpu::kFmaCols, k, mstar_cpu::kFmaCols}, w.options());
+  mstar_cpu::fma_pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
+  return packed;
+}
+
+// x [M, K] bf16 (rows contiguous) @ weight.T (+ bias) -> [M, N] bf16, float32 accumulation
+// rounded once, over `fma_pack_weight`'s panels (see gemm_fma.cpp).
+torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(fma_available(), "fma_linear: this CPU or build has no FMA");
+  check_gemm_x(x, "fma_linear");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(2) == mstar_cpu::kFmaCols,
+              "fma_linear: packed must come from fma_pack_weight");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k && n > 0 &&
+                  round_up(n, mstar_cpu::kFmaCols) == panels * mstar_cpu::kFmaCols,
+              "fma_linear: x's K or N does not match the packed weight");
+  const c10::BFloat16* bias_p = linear_bias(bias, n, "fma_linear");
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  mstar_cpu::fma_gemm(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k,
+                      packed.data_ptr<c10::BFloat16>(), panels, n, bias_p,
+                      out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+namespace {
+
+void define(pybind11::module_& m) {
+#define MSTAR_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
+  MSTAR_DEF(isa_level);
+  MSTAR_DEF(paged_decode);
+  MSTAR_DEF(paged_prefill);
+  MSTAR_DEF(write_kv);
+  MSTAR_DEF(add_rms_norm_);
+  MSTAR_DEF(rope_);
+  MSTAR_DEF(argmax_rows);
+  MSTAR_DEF(silu_mul);
+  MSTAR_DEF(sample_rows);
+  MSTAR_DEF(amx_available);
+  MSTAR_DEF(amx_pack_weight);
+  MSTAR_DEF(amx_linear);
+  MSTAR_DEF(dpbf16_available);
+  MSTAR_DEF(dpbf16_pack_weight);
+  MSTAR_DEF(dpbf16_linear);
+  MSTAR_DEF(fma_available);
+  MSTAR_DEF(fma_pack_weight);
+  MSTAR_DEF(fma_linear);
+#undef MSTAR_DEF
+}
+
+}  // namespace
+
+// The module for one level's library, named by that library (level.cpp's PyInit): each level
+// is its own module, so a process can load several (the tests compare them).
+PyObject* mstar_cpu_module(const char* name) {
+  auto* def = new PyModuleDef();  // a module's definition lives as long as the process
+  try {
+    auto m = pybind11::module_::create_extension_module(
+        name, "mstar's CPU kernels for one ISA level (see mstar.kernels.cpu_kernels)", def);
+    define(m);
+    return m.release().ptr();
+  } catch (pybind11::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ImportError, e.what());
+  }
+  return nullptr;
+}

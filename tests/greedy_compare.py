@@ -1,0 +1,86 @@
+"""Driving an engine for greedy tokens with log-probabilities, and comparing two such runs.
+
+Two engines that round differently (FlashInfer's bf16 attention and the torch backend's, or one
+schedule against another in bf16) cannot promise identical greedy tokens: where the top two
+candidates are nearly tied, a rounding difference may pick the other one, and from there the
+continuations are different texts. `assert_close_until_near_tie` therefore asks for identical
+tokens, and chosen-token log-probabilities within ``logprob_tol``, up to the first token where
+the runs differ; that token is allowed only if the reference's top-2 gap there is below
+``near_tie`` (a flip needs both logprobs to move, so the bound is twice the tolerance). A
+confident divergence, or a logprob drift beyond the tolerance, fails with its position.
+
+Calibration, measured on CPU on the GPU tests' tiny Llama (head_dim 64, init 0.2, bf16): two
+attention implementations that differ only in their final rounding drifted by at most 0.072
+nats and diverged once, at a top-2 gap of 0.031 (8 prompts x 24 tokens). ``LOGPROB_TOL`` is that
+drift with a ~3x margin. bf16 against fp32 weights drifts 0.46: no tolerance here covers that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mstar.engine.engine import LLMEngine
+from mstar.engine.outputs import TokenLogprob
+from mstar.engine.sampling_params import SamplingParams
+
+LOGPROB_TOL = 0.2
+NEAR_TIE = 2 * LOGPROB_TOL
+
+Tokens = list[list[int]]
+Logprobs = list[list[TokenLogprob]]
+
+
+def drive(
+    engine: LLMEngine, prompts: Sequence[Sequence[int]], params: SamplingParams, tag: str = "p"
+) -> tuple[Tokens, Logprobs]:
+    """Run ``prompts`` concurrently to completion: tokens and logprobs per prompt, in order."""
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    toks: dict[str, list[int]] = {r: [] for r in ids}
+    lps: dict[str, list[TokenLogprob]] = {r: [] for r in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            toks[out.request_id].extend(out.new_token_ids)
+            lps[out.request_id].extend(out.new_logprobs or [])
+    return [toks[r] for r in ids], [lps[r] for r in ids]
+
+
+def top2_gap(lp: TokenLogprob) -> float:
+    """Logprob margin of the most likely token over the second (needs ``logprobs >= 2``)."""
+    if len(lp.top) < 2:
+        raise ValueError("a near-tie check needs the top 2 logprobs (SamplingParams.logprobs=2)")
+    return lp.top[0][1] - lp.top[1][1]
+
+
+def assert_close_until_near_tie(
+    ref: tuple[Tokens, Logprobs],
+    got: tuple[Tokens, Logprobs],
+    *,
+    logprob_tol: float = LOGPROB_TOL,
+    near_tie: float = NEAR_TIE,
+) -> tuple[int, float]:
+    """(tokens compared, largest logprob drift); raises AssertionError on a real difference."""
+    compared, worst = 0, 0.0
+    for i, (rt, rl, gt, gl) in enumerate(zip(*ref, *got, strict=True)):
+        if len(rt) != len(gt) or len(rl) != len(rt) or len(gl) != len(gt):
+            raise AssertionError(f"prompt {i}: {len(rt)} vs {len(gt)} tokens (or logprobs)")
+        for t, (a, b) in enumerate(zip(rt, gt, strict=True)):
+            if a != b:
+                gap = top2_gap(rl[t])
+                if gap >= near_tie:
+                    raise AssertionError(
+                        f"prompt {i} diverges at token {t} ({a} vs {b}) where the reference's "
+                        f"top-2 gap is {gap:.4f} >= {near_tie}: not a rounding near-tie"
+                    )
+                break
+            drift = abs(rl[t].logprob - gl[t].logprob)
+            if drift > logprob_tol:
+                raise AssertionError(
+                    f"prompt {i} token {t}: logprob {gl[t].logprob:.4f} vs reference "
+                    f"{rl[t].logprob:.4f}, drift {drift:.4f} > {logprob_tol}"
+                )
+            worst = max(worst, drift)
+            compared += 1
+    return compared, worst
