@@ -8,7 +8,7 @@ import pytest
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from mstar.engine.outputs import TokenLogprob
-from mstar.engine.server.generation import (
+from mstar.engine.server.choice import (
     LOGPROB_FLOOR,
     ChoiceState,
     chat_logprobs,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,3 +167,28 @@ def test_malformed_authorization_header_is_401(guarded: LiveServer, authorizatio
     assert isinstance(err, dict) and err["code"] == "invalid_api_key"
     status, payload = send(guarded, "GET", "/v1/models", None, {"Authorization": "Bearer sekret"})
     assert status == 200 and payload["object"] == "list"
+
+
+def test_an_unreadable_body_leaves_one_log_line_and_no_traceback(
+    server: LiveServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 400 for bytes that are not the gzip they claim; aiohttp's later re-read of the body
+    used to log `ERROR aiohttp.server: Unhandled exception` with a RequestPayloadError trace."""
+    body = b'{"prompt": "w1"}'
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+        status, payload = send(
+            server, "POST", "/v1/completions", body, {**JSON_TYPE, "Content-Encoding": "gzip"}
+        )
+        assert "content-encoding" in check_error(status, payload, 400, None)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _body_lines(caplog):
+            time.sleep(0.05)
+    lines = _body_lines(caplog)
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "unreadable request body" in lines[0].getMessage()
+    assert "gzip" in lines[0].getMessage() and "\n" not in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def _body_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "aiohttp.server" and "body" in r.getMessage()]

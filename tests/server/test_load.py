@@ -15,9 +15,9 @@ import openai
 import pytest
 from live_server import LiveServer, make_engine
 
-from mstar.engine.server.app import STATE
 from mstar.engine.server.sse import parse_events
-from mstar.engine.telemetry import REQUEST_SPAN_NAME, Telemetry
+from mstar.engine.server.state import STATE
+from mstar.engine.server.telemetry import REQUEST_SPAN_NAME, Telemetry
 
 from .otlp_receiver import OTLPReceiver, log_fields, tag
 

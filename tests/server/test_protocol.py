@@ -8,6 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mstar.engine.sampling_params import (
+    FLOAT_BOUNDS,
+    InvalidParameter,
+    SamplingParams,
+    context_overflow,
+)
+from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import (
     MAX_JSON_DEPTH,
     MAX_N,
@@ -272,3 +279,38 @@ def test_body_gate_passes_good_bodies_through() -> None:
     assert decode_json_body('{"prompt": "é"}'.encode("latin-1"), "ISO-8859-1") == {"prompt": "é"}
     nested = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
     assert decode_json_body(nested, "utf-8")["a"]
+
+
+@pytest.mark.parametrize("name", list(FLOAT_BOUNDS))
+def test_the_published_range_is_the_range_checked(name: str) -> None:
+    bound = FLOAT_BOUNDS[name]
+    schemas = openapi_document("m", 100, guarded=False)["components"]["schemas"]
+    for route in ("CompletionRequest", "ChatCompletionRequest"):
+        schema = schemas[route]["properties"][name]
+        assert schema["maximum"] == bound.hi
+        assert schema["exclusiveMinimum" if bound.lo_open else "minimum"] == bound.lo
+    SamplingParams(**{name: bound.hi})
+    with pytest.raises(InvalidParameter, match=name):
+        SamplingParams(**{name: bound.hi + 0.5})
+    if bound.lo_open:
+        with pytest.raises(InvalidParameter, match=name):
+            SamplingParams(**{name: bound.lo})
+    else:
+        SamplingParams(**{name: bound.lo})
+        with pytest.raises(InvalidParameter, match=name):
+            SamplingParams(**{name: bound.lo - 0.5})
+
+
+def test_engine_and_server_refuse_a_long_context_with_one_message() -> None:
+    blamed, message = context_overflow(30, 10, 32) or ("", "")
+    assert blamed == "max_tokens" and "maximum context length is 32" in message
+    req = parse_completion_request(comp(max_tokens=10))
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(req, 30, 32)
+    assert info.value.message == message
+    assert context_overflow(32, 1, 32) == (
+        "prompt",
+        "This model's maximum context length is 32 tokens. However, your prompt has 32 "
+        "tokens, leaving no room for a completion.",
+    )
+    assert context_overflow(22, 10, 32) is None

@@ -18,8 +18,8 @@ from live_server import LiveServer, make_engine
 
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.step import AdmitOutcome, RequestOffloading, ResourceStep, StepContext
-from mstar.engine.server.app import STATE
-from mstar.engine.telemetry import MAX_SPAN_EVENTS, REQUEST_SPAN_NAME, Telemetry
+from mstar.engine.server.state import STATE
+from mstar.engine.server.telemetry import MAX_SPAN_EVENTS, REQUEST_SPAN_NAME, Telemetry
 
 from .otlp_receiver import OTLPReceiver, log_fields, tag
 from .test_openai_e2e import raw
@@ -44,7 +44,6 @@ class RefuseFirstAdmits(Resource):
         self.left = times
         self.target: str | None = None
         self.supports_preplan = inner.supports_preplan
-        self.force_double_buffer = inner.force_double_buffer
         self.supports_eviction = inner.supports_eviction
 
     def ingest_request(self, request_id: str, overrides: Any | None = None) -> None:

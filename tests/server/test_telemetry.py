@@ -12,7 +12,7 @@ import pytest
 from opentelemetry.trace import NonRecordingSpan
 
 from mstar.engine.outputs import EngineEvent
-from mstar.engine.telemetry import REQUEST_SPAN_NAME, Telemetry, traces_endpoint
+from mstar.engine.server.telemetry import REQUEST_SPAN_NAME, Telemetry, traces_endpoint
 
 from .otlp_receiver import OTLPReceiver, log_fields, tag
 

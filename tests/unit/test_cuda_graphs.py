@@ -7,26 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar.engine.batch import DECODE_WALK
 from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.engine.cuda_graphs import (
-    DECODE_WALK,
     GraphCaptureError,
-    GrowOnlyBuffers,
     SlotRotation,
     capture_failure,
     choose_bucket,
     decode_bucket,
     graphs_off_reason,
-    pad_decode_layout,
     pad_ids,
-    pad_positions,
     slot_specs,
 )
-from mstar.engine.resources.attention import AttentionResource
+from mstar.engine.resources.attention import AttentionResource, pad_decode_layout
 from mstar.engine.resources.kv import KVCache, KVConfig
 from mstar.engine.resources.kv.plan import build_plan
 from mstar.engine.resources.kv.stream import Stream
-from mstar.engine.resources.positions import PositionsResource
+from mstar.engine.resources.positions import PositionsResource, pad_positions
+from mstar.engine.resources.static_buffers import GrowOnlyBuffers
 from mstar.engine.resources.step import BucketKey, ResourceStep, Segment, SlotLease, StepContext
 from mstar.kernels import BackendUnavailable, TorchPagedAttention, resolve_attention_backend
 

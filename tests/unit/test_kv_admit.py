@@ -18,11 +18,6 @@ from mstar.engine.resources.step import (
 CTX = StepContext(request_ids=[], graph_walk="prefill", slot=0, capture=False)
 
 
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
-
-
 def make(
     num_pages: int = 9, page_size: int = 4, max_seq_len: int = 4096, host_offload_pages: int = 0
 ) -> KVCacheResource:

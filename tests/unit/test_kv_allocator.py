@@ -17,11 +17,6 @@ from mstar.engine.resources.kv import (
 from mstar.engine.resources.step import ResourceStep, Segment, StepContext
 
 
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
-
-
 def test_allocator_is_fifo_and_refuses_whole_requests() -> None:
     alloc = PageAllocator(6, reserved=(0,))
     assert alloc.num_free == 5

@@ -23,11 +23,6 @@ CTX = StepContext(request_ids=[], graph_walk="mixed", slot=0, capture=False)
 PS = 4
 
 
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
-
-
 def make(
     num_pages: int = 9, host: int = 8, prefix: bool = False, async_copy: bool = True
 ) -> KVCacheResource:

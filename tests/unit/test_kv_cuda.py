@@ -21,11 +21,6 @@ CTX = StepContext(request_ids=[], graph_walk="mixed", slot=0, capture=False)
 PS = 16
 
 
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
-
-
 def make(num_pages: int = 33, host: int = 16, async_copy: bool = False) -> KVCacheResource:
     return KVCacheResource(
         KVConfig(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
@@ -10,11 +9,6 @@ from mstar.engine.resources.step import ADMIT_OK, ResourceStep, Segment, StepCon
 
 CTX = StepContext(request_ids=[], graph_walk="prefill", slot=0, capture=False)
 PS = 4
-
-
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
 
 
 def make(num_pages: int = 9, host: int = 8, prefix: bool = False) -> KVCacheResource:

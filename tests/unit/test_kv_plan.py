@@ -12,11 +12,6 @@ CTX = StepContext(request_ids=[], graph_walk="mixed", slot=0, capture=False)
 PS = 4
 
 
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
-
-
 def make(num_pages: int = 32) -> KVCacheResource:
     return KVCacheResource(
         KVConfig(num_layers=2, num_kv_heads=2, head_dim=3, num_pages=num_pages, page_size=PS)

@@ -19,11 +19,6 @@ CTX = StepContext(request_ids=[], graph_walk="prefill", slot=0, capture=False)
 PS = 4
 
 
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
-
-
 def make(num_pages: int = 17, prefix: bool = True) -> KVCacheResource:
     return KVCacheResource(
         KVConfig(

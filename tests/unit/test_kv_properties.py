@@ -17,7 +17,6 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -362,11 +361,6 @@ KVMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
 
 
 TestKVMachine = KVMachine.TestCase

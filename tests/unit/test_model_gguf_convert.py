@@ -29,12 +29,7 @@ TEMPLATE = (
 CORPUS = ["hello world, the quick brown fox 🚀", "jumps over the lazy dog near the café"] * 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train_tokenizer() -> HFTokenizer:

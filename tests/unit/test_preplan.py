@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mstar.engine.batch import StepResult, next_decode_step
 from mstar.engine.request import Request
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
 from mstar.engine.resources.base import Resource
@@ -22,7 +23,7 @@ from mstar.engine.resources.step import (
     SubmoduleStep,
 )
 from mstar.engine.sampling_params import SamplingParams
-from mstar.engine.scheduler import Scheduler, SchedulerConfig, StepResult
+from mstar.engine.scheduler import Scheduler, SchedulerConfig
 
 SEEDED = SamplingParams(temperature=0.9, seed=11)
 
@@ -158,15 +159,15 @@ def test_scheduler_predicts_only_a_batched_decode_and_predicts_it_exactly() -> N
         sched.update(batch, StepResult(SampleOutput([7] * n, None, torch.full((n,), 7))))
 
     prefill = sched.schedule()
-    assert prefill is not None and sched.predict_next(prefill) is None  # prefill: no guess
+    assert prefill is not None and next_decode_step(prefill) is None  # prefill: no guess
     run(prefill)
     decode = sched.schedule()
     assert decode is not None
-    guess = sched.predict_next(decode)
+    guess = next_decode_step(decode)
     assert guess is not None
     run(decode)
     real = sched.schedule()
     assert real is not None
     assert [s for s in guess.segments or ()] == [s for s in real.step.segments or ()]
     assert guess.steps[SAMPLER].segments == real.step.steps[SAMPLER].segments
-    assert list(guess.ctx.request_ids) == list(real.step.ctx.request_ids)
+    assert [s.request_id for s in guess.segments or ()] == list(real.step.ctx.request_ids)

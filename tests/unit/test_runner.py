@@ -9,9 +9,7 @@ import pytest
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.runner import StepRunner, topo_order
 from mstar.engine.resources.step import (
-    ADMIT_NOT_READY,
     ADMIT_OK,
-    FULL_ADMIT_NOT_READY,
     FULL_ADMIT_OK,
     AdmitOutcome,
     AdmitRuntimeError,
@@ -139,22 +137,16 @@ def test_admit_short_circuits_and_names_failed_resource() -> None:
     assert log == [("admit", "kv")]
 
 
-def test_admit_not_ready_aggregates_without_stopping() -> None:
-    log: list = []
-    res = {"a": Recorder("a", log, answer=ADMIT_NOT_READY), "b": Recorder("b", log)}
-    assert StepRunner(res).admit(_step(["a", "b"])) is FULL_ADMIT_NOT_READY
-    assert log == [("admit", "a"), ("admit", "b")]
-
-
-def test_failure_wins_over_wait_and_is_named() -> None:
+def test_a_refusal_after_an_admitted_resource_is_named() -> None:
     log: list = []
     err = AdmitRuntimeError("never fits")
     res = {
-        "a": Recorder("a", log, answer=ADMIT_NOT_READY),
-        "b": Recorder("b", log, answer=AdmitOutcome(False, False, err)),
+        "a": Recorder("a", log),
+        "b": Recorder("b", log, answer=AdmitOutcome(False, True, err)),
     }
     out = StepRunner(res).admit(_step(["a", "b"]))
     assert out.failed_resource == "b" and out.reason is err
+    assert StepRunner({"a": Recorder("a", log)}).admit(_step(["a"])) is FULL_ADMIT_OK
 
 
 def test_unknown_key_in_step_raises_key_error() -> None:
@@ -212,37 +204,7 @@ def test_ingest_routes_overrides_by_key() -> None:
     assert got == {"kv": "cfg", "sampler": None}
 
 
-def test_publish_and_retrieve_use_only_overriding_resources_per_node() -> None:
-    calls: list[str] = []
-
-    class Pub(Resource):
-        def __init__(self, key: str, info: Any) -> None:
-            self.key, self.info = key, info
-
-        def publish(self, request_id: str) -> Any:
-            calls.append(self.key)
-            return self.info
-
-        def admit_retrieve(self, request_id, node, graph_walk, published):  # type: ignore[no-untyped-def]
-            calls.append(f"retrieve:{self.key}:{published}")
-            return ADMIT_NOT_READY if self.key == "a" else ADMIT_OK
-
-    runner = StepRunner(
-        {"a": Pub("a", 1), "b": Pub("b", None), "plain": Resource()},
-        node_resources={"llm": ["a", "b", "plain"], "other": ["b"]},
-    )
-    assert runner.publish(["r"], "llm") == {"r": {"a": 1}}
-    assert calls == ["a", "b"]
-    calls.clear()
-    out = runner.admit_retrieve("r", "llm", "decode", {"a": "pa"})
-    assert out is FULL_ADMIT_NOT_READY
-    assert calls == ["retrieve:a:pa", "retrieve:b:None"]
-    calls.clear()
-    assert runner.admit_retrieve("r", "other", "decode") is FULL_ADMIT_OK
-    assert calls == ["retrieve:b:None"]
-
-
-def test_build_cuda_graph_buffers_scoped_to_node() -> None:
+def test_build_cuda_graph_buffers_reaches_every_resource_in_order() -> None:
     seen: list[str] = []
 
     class Buf(Resource):
@@ -252,11 +214,9 @@ def test_build_cuda_graph_buffers_scoped_to_node() -> None:
         def build_cuda_graph_buffers(self, slots, max_bs, max_seq_len):  # type: ignore[no-untyped-def]
             seen.append(self.key)
 
-    runner = StepRunner({"a": Buf("a"), "b": Buf("b")}, node_resources={"n": ["b"]})
-    runner.build_cuda_graph_buffers([], 8, 128, node="n")
-    assert seen == ["b"]
+    runner = StepRunner({"b": Buf("b"), "a": Buf("a")})
     runner.build_cuda_graph_buffers([], 8, 128)
-    assert seen == ["b", "a", "b"]
+    assert seen == ["a", "b"]
 
 
 def test_abort_step_reaches_every_resource_past_a_raise() -> None:

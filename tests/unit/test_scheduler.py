@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar.engine.batch import StepResult
 from mstar.engine.outputs import FinishReason, RequestOutput
 from mstar.engine.request import Request, RequestStatus
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
@@ -20,20 +21,16 @@ from mstar.engine.resources.sampling import SampleOutput, SamplerRequestConfig, 
 from mstar.engine.resources.step import (
     ADMIT_OK,
     AdmitOutcome,
+    AdmitRuntimeError,
     AllocationFailed,
     ResourceStep,
     StepContext,
 )
 from mstar.engine.sampling_params import SamplingParams
-from mstar.engine.scheduler import Scheduler, SchedulerConfig, StepResult
+from mstar.engine.scheduler import Scheduler, SchedulerConfig
 
 PS = 4
 TOKEN = 5
-
-
-@pytest.fixture(autouse=True)
-def _debug_asserts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MSTAR_KV_DEBUG_ASSERTS", "1")
 
 
 def make(
@@ -72,6 +69,12 @@ def make(
     return Scheduler(StepRunner(resources), kv, config)
 
 
+def kv_of(sched: Scheduler) -> KVCacheResource:
+    kv = sched.runner.resources[KV]
+    assert isinstance(kv, KVCacheResource)
+    return kv
+
+
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 64) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     base = 100 * (1 + len(sched.requests))  # distinct prompts: no accidental prefix sharing
@@ -97,11 +100,11 @@ def step(sched: Scheduler) -> tuple[list[str], list[RequestOutput]]:
 
 
 def assert_nothing_held(sched: Scheduler) -> None:
-    sched.kv.wait_copies()
-    sched.kv.assert_pages_conserved()
-    assert sched.kv.num_host_pages_used == 0
+    kv_of(sched).wait_copies()
+    kv_of(sched).assert_pages_conserved()
+    assert kv_of(sched).num_host_pages_used == 0
     for req in sched.requests.values():
-        assert sched.kv.pages_held_by(req.request_id) == 0
+        assert kv_of(sched).pages_held_by(req.request_id) == 0
 
 
 def test_running_first_then_waiting_fcfs_with_last_prefill_chunked() -> None:
@@ -133,7 +136,7 @@ def test_a_new_arrival_never_evicts_a_running_request() -> None:
         ran.append(ids)
         assert sched.counters.evictions == 0
         if "c" not in ids:
-            assert c.status is RequestStatus.WAITING and sched.kv.pages_held_by("c") == 0
+            assert c.status is RequestStatus.WAITING and kv_of(sched).pages_held_by("c") == 0
     assert a.finished and b.finished  # c got pages only once a running request gave them back
     while sched.has_unfinished:
         step(sched)
@@ -196,7 +199,7 @@ def test_reloads_are_fcfs_and_come_before_new_admissions() -> None:
     step(sched)
     for req in (x, y):  # evict both, oldest first in the queue
         assert sched.runner.offload(req.request_id) > 0
-    sched.kv.wait_copies()
+    kv_of(sched).wait_copies()
     step(sched)  # their admits meet offloaded streams: both parked as offloaded
     assert x.status is y.status is RequestStatus.OFFLOADED
     assert [q.request_id for q in sched.offloaded] == ["x", "y"]
@@ -205,7 +208,7 @@ def test_reloads_are_fcfs_and_come_before_new_admissions() -> None:
     while z.status is RequestStatus.WAITING:
         before = {q.request_id for q in sched.offloaded}
         step(sched)
-        sched.kv.wait_copies()
+        kv_of(sched).wait_copies()
         order += sorted(before - {q.request_id for q in sched.offloaded})
         if z.status is not RequestStatus.WAITING:
             assert not sched.offloaded  # z was admitted only after every reload
@@ -243,14 +246,14 @@ def test_abort_in_every_state_frees_every_page(state: str) -> None:
         step(sched)
     if state == "offloaded":
         assert sched.runner.offload("a") > 0
-        sched.kv.wait_copies()
+        kv_of(sched).wait_copies()
         step(sched)
-        assert sched.kv.num_host_pages_used > 0
+        assert kv_of(sched).num_host_pages_used > 0
     assert a.status is RequestStatus(state)
     sched.abort("a")
     _, outs = step(sched)
     assert [o.finish_reason for o in outs if o.request_id == "a"] == [FinishReason.ABORT]
-    assert "a" not in sched.requests and sched.kv.pages_held_by("a") == 0
+    assert "a" not in sched.requests and kv_of(sched).pages_held_by("a") == 0
     sched.abort("b")
     step(sched)
     assert b.finished and not sched.requests
@@ -284,7 +287,7 @@ def test_a_refused_new_arrival_is_dropped_holding_nothing_and_evicts_nobody() ->
     assert ids == ["a"] and gate.left == 0  # a went on in the same step
     refused = [e.attributes["reason"] for o in outs if o.request_id == "c" for e in o.events]
     assert refused == ["AllocationFailed"]
-    assert c.status is RequestStatus.WAITING and sched.kv.pages_held_by("c") == 0
+    assert c.status is RequestStatus.WAITING and kv_of(sched).pages_held_by("c") == 0
     assert sched.counters.evictions == 0
     ids, _ = step(sched)
     assert "c" in ids and c.num_cached_tokens == 8  # admitted next step, prefix reused
@@ -292,3 +295,59 @@ def test_a_refused_new_arrival_is_dropped_holding_nothing_and_evicts_nobody() ->
         sched.abort(rid)
     step(sched)
     assert_nothing_held(sched)
+
+
+class _CountAdmits(StepRunner):
+    """A real StepRunner that records the rows of every step it is asked to admit."""
+
+    def __init__(self, resources: dict[str, Resource]) -> None:
+        super().__init__(resources)
+        self.admitted: list[list[str]] = []
+
+    def admit(self, step):  # type: ignore[no-untyped-def]
+        self.admitted.append([s.request_id for s in step.segments or ()])
+        return super().admit(step)
+
+
+class _RejectWithoutName(Resource):
+    """Refuses request `rid` for good with the seed's class, which names no request."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+
+    def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
+        if self.rid in [s.request_id for s in step.segments or ()]:
+            return AdmitOutcome(False, True, AdmitRuntimeError("never, and I do not say whom"))
+        return ADMIT_OK
+
+
+def _failed(outs: list[RequestOutput]) -> dict[str, str]:
+    return {o.request_id: o.error.message for o in outs if o.error is not None}
+
+
+def test_a_terminal_refusal_names_its_request_and_fails_only_it_in_one_retry() -> None:
+    sched = make(8)
+    sched.runner = runner = _CountAdmits(dict(sched.runner.resources))
+    add(sched, "small", 4)
+    add(sched, "huge", 40)  # 10 pages: more than the whole pool of 8
+    ids, outs = step(sched)
+    assert ids == ["small"]
+    # One refusal (it names "huge"), one retry without it: no row is re-admitted alone.
+    assert runner.admitted == [["small", "huge"], ["small"]]
+    assert list(_failed(outs)) == ["huge"] and "needs 10 KV pages" in _failed(outs)["huge"]
+    refusals = [e.attributes for o in outs for e in o.events if e.name == "admit_refused"]
+    assert [(r["reason"], r["resource"]) for r in refusals] == [("AdmitRuntimeError", "kv")]
+
+
+def test_a_nameless_terminal_refusal_is_found_by_admitting_rows_alone() -> None:
+    sched = make(32)
+    resources = dict(sched.runner.resources)
+    resources[ATTN] = _RejectWithoutName("b")
+    sched.runner = runner = _CountAdmits(resources)
+    for rid in ("a", "b", "c"):
+        add(sched, rid, 4)
+    ids, outs = step(sched)
+    assert runner.admitted == [["a", "b", "c"], ["a"], ["b"], ["a", "c"]]
+    assert ids == ["a", "c"] and list(_failed(outs)) == ["b"]
+    kv_of(sched).assert_pages_conserved()
+    assert "b" not in sched.requests and kv_of(sched).pages_held_by("b") == 0

@@ -170,7 +170,9 @@ def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = Tr
     for f in _fields():
         flag = f"--{_dash(f.name)}"
         default = getattr(defaults, f.name)
-        kwargs: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name}
+        # argparse %-formats help text (for %(default)s); the fields' prose means a literal %.
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        kwargs: dict[str, Any] = {"help": help_text, "dest": f.name}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         if isinstance(default, bool):

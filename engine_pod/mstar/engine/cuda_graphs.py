@@ -9,7 +9,9 @@ buckets, which is why a per-bucket counter would let consecutive steps collide).
 
 Padding: the ``bs - n`` extra rows get ids ``__pad<slot>.<i>`` and a one-token layout over the
 KV sink page (page 0, which the KV cache never hands to a request): they read and write only
-that page, so a padded replay cannot touch a real request's cache.
+that page, so a padded replay cannot touch a real request's cache. The resources pad their own
+plans (`attention.pad_decode_layout`, `positions.pad_positions`) into static buffers
+(`resources.static_buffers`); this module only names the rows and records the forward.
 
 Everything here but `CudaGraphRunner.capture` is plain tensor bookkeeping and runs on CPU: the
 runner in ``capture=False`` mode executes exactly the padded static-buffer forward a graph
@@ -20,17 +22,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from mstar.engine.resources.kv.plan import KVPlan
+from mstar.engine.batch import DECODE_WALK
+from mstar.engine.resources.static_buffers import GrowOnlyBuffers
 from mstar.engine.resources.step import BucketKey, SlotLease
 
 log = logging.getLogger(__name__)
 
-#: Graph walk of the decoder's decode forward (the only walk this engine captures).
-DECODE_WALK = "llm"
 NUM_SLOTS = 2
 PAD_PREFIX = "__pad"
 
@@ -108,78 +109,6 @@ class SlotRotation:
     def take(self, slot: int) -> None:
         """Step on ``slot`` is executing: the following step gets the next one."""
         self._next = (slot + 1) % self.num_slots
-
-
-class PaddedLayout(NamedTuple):
-    """A decode step's CSR arrays padded to ``bs`` rows, pad rows on the sink page."""
-
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-    write_slots: torch.Tensor  # int64 [bs], on the KV plan's device
-
-
-def pad_decode_layout(plan: KVPlan, bs: int, sink_page: int) -> PaddedLayout:
-    """Append ``bs - n`` one-token rows that read and write only page ``sink_page``, slot 0."""
-    n = len(plan.request_ids)
-    if n > bs:
-        raise ValueError(f"{n} rows do not fit a bucket of {bs}")
-    if n and not plan.is_decode:
-        raise ValueError("only decode steps (one token per row) replay a graph")
-    pad = bs - n
-    i32 = torch.int32
-    qo = torch.arange(bs + 1, dtype=i32)
-    kv_tail = plan.kv_indptr[-1:].to(i32) if n else torch.zeros(1, dtype=i32)
-    kv_indptr = torch.cat([plan.kv_indptr[:-1].to(i32), kv_tail + torch.arange(pad + 1, dtype=i32)])
-    kv_indices = torch.cat([plan.kv_indices.to(i32), torch.full((pad,), sink_page, dtype=i32)])
-    last = torch.cat([plan.kv_last_page_len.to(i32), torch.ones(pad, dtype=i32)])
-    # write_slots stay on the cache's device: no device-to-host copy on the replay path.
-    dev = plan.write_slots.device
-    sink_slot = torch.full((pad,), sink_page * plan.page_size, dtype=torch.int64, device=dev)
-    write_slots = torch.cat([plan.write_slots.to(torch.int64), sink_slot])
-    return PaddedLayout(qo, kv_indptr, kv_indices, last, write_slots)
-
-
-def pad_positions(prefix_lens: torch.Tensor, bs: int) -> torch.Tensor:
-    """Decode positions (each row's prefix length) padded with position 0 up to ``bs``."""
-    pad = torch.zeros(bs - prefix_lens.shape[0], dtype=torch.int64)
-    return torch.cat([prefix_lens.to("cpu", torch.int64), pad])
-
-
-class GrowOnlyBuffers:
-    """Named static tensors that only ever grow, and never once their address was handed out.
-
-    `build_cuda_graph_buffers` may be called once per capturing runner with different sizes: a
-    smaller request keeps the existing tensor, a larger one reallocates. Once `get` has handed a
-    view out (a plan wrote it, a graph may have recorded it) the buffer is pinned: growing it
-    then raises instead of silently leaving a graph reading freed memory.
-    """
-
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._pinned: set[str] = set()
-
-    def ensure(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-        have = self._tensors.get(name)
-        if have is not None and have.numel() >= size and have.dtype == dtype:
-            return have
-        if name in self._pinned:
-            raise RuntimeError(
-                f"static buffer {name!r} would grow to {size} after its address was handed out"
-            )
-        grown = torch.zeros(size, dtype=dtype, device=self.device)
-        self._tensors[name] = grown
-        return grown
-
-    def get(self, name: str, size: int) -> torch.Tensor:
-        """The first ``size`` entries (a smaller bucket's view); pins the buffer."""
-        have = self._tensors[name]
-        if have.numel() < size:
-            raise RuntimeError(f"static buffer {name!r} holds {have.numel()}, {size} asked")
-        self._pinned.add(name)
-        return have[:size]
 
 
 def slot_specs(sizes: Iterable[int], num_slots: int) -> list[SlotLease]:

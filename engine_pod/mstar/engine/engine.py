@@ -30,7 +30,7 @@ from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
-from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
 from mstar.kernels import resolve_attention_backend, select_attention_backend
 from mstar.kernels.cpu_gemm import cpu_has_bf16
@@ -115,6 +115,9 @@ class LLMEngine:
                 SAMPLER: sampler,
             }
         )
+        self.model_runner = ModelRunner(
+            decoder, self.runner, sampler, device, preplan=config.enable_preplan
+        )
         self.scheduler = Scheduler(
             self.runner,
             self.kv,
@@ -125,12 +128,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
             ),
+            make_context=self.model_runner.step_context,
         )
-        self.model_runner = ModelRunner(
-            decoder, self.runner, sampler, device, preplan=config.enable_preplan
-        )
-        self.scheduler.make_context = self.model_runner.step_context
-        self.model_runner.predict_next = self.scheduler.predict_next
         self.model_runner.setup_graphs(
             config.cuda_graph_batch_sizes, config.enforce_eager, self.max_model_len
         )
@@ -185,14 +184,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidParameter("prompt", f"prompt token ids must be in [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if len(prompt_token_ids) >= self.max_model_len or total > self.max_model_len:
-            raise InvalidParameter(
-                "max_tokens" if len(prompt_token_ids) < self.max_model_len else "prompt",
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request has {len(prompt_token_ids)} prompt tokens and asks for "
-                f"{params.max_tokens} more",
-            )
+        over = context_overflow(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        if over is not None:
+            raise InvalidParameter(*over)
         req = Request(
             request_id,
             list(prompt_token_ids),

@@ -12,20 +12,26 @@ Two GPU features hang off it, both optional and both off the CPU default path:
   a bucket replays that (bucket, slot)'s graph; every other step runs eager.
 - **Pre-planning**: while step N's forward runs (asynchronously on CUDA), the resources that
   pre-plan stage step N+1's plan for the rows the scheduler predicts will run next
-  (`Scheduler.predict_next`); the next real step promotes it when it matches, and the
+  (`next_decode_step`); the next real step promotes it when it matches, and the
   `StepRunner` clears every resource's stage when it does not.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from mstar.engine.cuda_graphs import (
+from mstar.engine.batch import (
     DECODE_WALK,
+    ScheduledBatch,
+    StepResult,
+    eager_context,
+    next_decode_step,
+)
+from mstar.engine.cuda_graphs import (
     NUM_SLOTS,
     CudaGraphRunner,
     SlotRotation,
@@ -42,9 +48,7 @@ from mstar.engine.resources.step import (
     ResourceStep,
     SlotLease,
     StepContext,
-    SubmoduleStep,
 )
-from mstar.engine.scheduler import ScheduledBatch, StepResult
 from mstar.kernels import FlashInferPagedAttention
 
 log = logging.getLogger(__name__)
@@ -67,8 +71,6 @@ class ModelRunner:
         self.preplan = preplan and bool(runner.preplan_order)
         self.rotation = SlotRotation(NUM_SLOTS)
         self.graphs: CudaGraphRunner | None = None
-        #: The scheduler's guess at the next step (set by the engine); None disables pre-plan.
-        self.predict_next: Callable[[ScheduledBatch], SubmoduleStep | None] | None = None
         self.preplans = 0
 
     # -- setup -----------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ class ModelRunner:
         """The context the scheduler declares a step with: a slot lease when graphs or
         pre-planning are on (the bucket only for a batched-decode step that fits one)."""
         if not self.leasing:
-            return StepContext(request_ids, DECODE_WALK, 0, False)
+            return eager_context(request_ids, batched_decode)
         slot = self.rotation.peek()
         bucket = None
         if self.graphs is not None:
@@ -170,11 +172,12 @@ class ModelRunner:
             return self.sampler.sample(plans[SAMPLER], logits)
 
     def _preplan_next(self, batch: ScheduledBatch) -> None:
-        if not self.preplan or self.predict_next is None:
+        if not self.preplan:
             return
-        nxt = self.predict_next(batch)
+        nxt = next_decode_step(batch)
         if nxt is None:
             return
+        nxt.set_ctx(self.step_context([r.request.request_id for r in batch.rows], True))
         nxt.ctx.is_preplan = True
         if self.runner.pre_admit(nxt).ok:
             self.runner.pre_plan(nxt)

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from mstar.engine.outputs import EngineEvent, FinishReason, RequestError, TokenLogprob
+from mstar.engine.outputs import (
+    EngineEvent,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    TokenLogprob,
+)
 from mstar.engine.sampling_params import SamplingParams
 
 
@@ -114,3 +120,24 @@ class Request:
 
     def event(self, name: str, time: float, **attributes: Any) -> None:
         self.pending_events.append(EngineEvent(name, time, attributes))
+
+    def take_output(self) -> RequestOutput:
+        """The request's progress since its previous output (deltas, then cleared)."""
+        out = RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.pending_tokens,
+            new_logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            events=self.pending_events,
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
+        )
+        self.pending_tokens, self.pending_logprobs, self.pending_events = [], [], []
+        return out

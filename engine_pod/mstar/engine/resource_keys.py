@@ -4,5 +4,3 @@ KV = "kv"
 ATTN = "attn"
 ROPE = "rope"
 SAMPLER = "sampler"
-#: The only KV label our Llama-family models use.
-LABEL = "main"

@@ -1,8 +1,14 @@
-"""Per-request sampling parameters, validated once at arrival so the engine never sees bad ones."""
+"""Per-request sampling parameters, validated once at arrival so the engine never sees bad ones.
+
+Also the one statement of the request limits the server publishes: the float parameters'
+ranges (`FLOAT_BOUNDS`, which the OpenAPI document reads) and the context-length rule
+(`context_overflow`, which both the engine and the server refuse with).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class InvalidParameter(ValueError):
@@ -11,6 +17,52 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class Bound(NamedTuple):
+    """A closed range ``[lo, hi]``, or ``(lo, hi]`` when ``lo_open``."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        above = self.lo < value if self.lo_open else self.lo <= value
+        return above and value <= self.hi
+
+    def __str__(self) -> str:
+        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+#: Each float parameter's range, in the order `SamplingParams.validate` checks them.
+FLOAT_BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(0.0, 2.0),
+    "top_p": Bound(0.0, 1.0, lo_open=True),
+    "min_p": Bound(0.0, 1.0),
+    "repetition_penalty": Bound(0.0, 2.0, lo_open=True),
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+}
+
+
+def context_overflow(
+    prompt_len: int, max_tokens: int, max_model_len: int, prompt: str = "prompt"
+) -> tuple[str, str] | None:
+    """The parameter to blame and the message when a prompt of ``prompt_len`` tokens plus
+    ``max_tokens`` new ones do not fit the context, else None (``prompt``: the prompt's name
+    in the message, e.g. "messages"). The blamed parameter is "prompt" or "max_tokens"."""
+    limit = f"This model's maximum context length is {max_model_len} tokens. However,"
+    if prompt_len >= max_model_len:
+        return "prompt", (
+            f"{limit} your prompt has {prompt_len} tokens, leaving no room for a completion."
+        )
+    if prompt_len + max_tokens > max_model_len:
+        return "max_tokens", (
+            f"{limit} you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+            f"{prompt}, {max_tokens} in the completion). Please reduce the length of the "
+            f"{prompt} or the completion."
+        )
+    return None
 
 
 @dataclass
@@ -55,20 +107,11 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens < 1:
             raise InvalidParameter("max_tokens", "max_tokens must be at least 1")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidParameter("temperature", "temperature must be in [0, 2]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidParameter("top_p", "top_p must be in (0, 1]")
+        for name, bound in FLOAT_BOUNDS.items():
+            if not bound.holds(getattr(self, name)):
+                raise InvalidParameter(name, f"{name} must be in {bound}")
         if self.top_k < -1:
             raise InvalidParameter("top_k", "top_k must be -1, 0 (disabled) or positive")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidParameter("min_p", "min_p must be in [0, 1]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise InvalidParameter("repetition_penalty", "repetition_penalty must be in (0, 2]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise InvalidParameter("presence_penalty", "presence_penalty must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise InvalidParameter("frequency_penalty", "frequency_penalty must be in [-2, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise InvalidParameter(
                 "logprobs", f"logprobs must be between 0 and {self.MAX_LOGPROBS}"

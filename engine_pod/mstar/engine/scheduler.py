@@ -31,12 +31,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
+from mstar.engine.batch import (
+    ScheduledBatch,
+    ScheduledRow,
+    StepResult,
+    declare_step,
+    eager_context,
+    is_batched_decode,
+)
 from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.request import Request, RequestStatus
-from mstar.engine.resource_keys import ATTN, KV, LABEL, ROPE, SAMPLER
 from mstar.engine.resources.kv import KVCacheResource
+from mstar.engine.resources.kv.capacity import KVCapacity
+from mstar.engine.resources.refusals import reason_name
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SampleOutput
 from mstar.engine.resources.step import (
@@ -44,25 +53,12 @@ from mstar.engine.resources.step import (
     AllocationFailed,
     FullAdmitOutcome,
     RequestOffloading,
-    ResourceStep,
-    Segment,
     StepContext,
     SubmoduleStep,
 )
 
-
-class ScheduledRow(NamedTuple):
-    request: Request
-    num_tokens: int
-
-
-@dataclass
-class ScheduledBatch:
-    """An admitted step: its rows, the declared step, and the rows that sample a token."""
-
-    rows: list[ScheduledRow]
-    step: SubmoduleStep
-    sample_rows: list[int]
+#: Builds a step's context from its request ids and whether it is a batched decode.
+MakeContext = Callable[[list[str], bool], StepContext]
 
 
 @dataclass(frozen=True)
@@ -94,24 +90,19 @@ class SchedulerCounters:
     recomputations: int = 0
 
 
-@dataclass
-class StepResult:
-    """What the model runner hands back: the sampled tokens, or the error that stopped it."""
-
-    sampled: SampleOutput | None
-    error: RequestError | None = None
-
-
-def _eager_context(request_ids: list[str], batched_decode: bool) -> StepContext:
-    return StepContext(request_ids, "llm", 0, False)
-
-
 class Scheduler:
     """Queues of waiting, running and offloaded requests; admission, eviction and reload."""
 
-    def __init__(self, runner: StepRunner, kv: KVCacheResource, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        runner: StepRunner,
+        kv: KVCacheResource,
+        config: SchedulerConfig,
+        make_context: MakeContext = eager_context,
+    ) -> None:
         self.runner = runner
-        self.kv = kv
+        #: Capacity questions only; KV state changes go through `runner`.
+        self.kv = KVCapacity(kv)
         self.config = config
         self.counters = SchedulerCounters()
         self.waiting: deque[Request] = deque()
@@ -126,9 +117,8 @@ class Scheduler:
         self._priority: Callable[[Request, str], float] | None = (
             self._offload_priority if config.eviction_policy == "priority" else None
         )
-        #: Builds a step's context from its request ids and whether it is a batched decode
-        #: (every row one token, every row sampling); the model runner's adds a slot lease.
-        self.make_context: Callable[[list[str], bool], StepContext] = _eager_context
+        #: The model runner's `step_context` (a slot lease when graphs or pre-planning are on).
+        self.make_context = make_context
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.offloaded)
@@ -175,7 +165,7 @@ class Scheduler:
         cfg = self.config
         rows: list[ScheduledRow] = []
         budget = cfg.max_num_batched_tokens
-        available = self.kv.num_free_pages + self.kv.num_cached_pages - self._watermark
+        available = self.kv.room() - self._watermark
         for req in self.running:
             if len(rows) >= cfg.max_num_seqs or budget <= 0:
                 return rows
@@ -186,16 +176,14 @@ class Scheduler:
                 continue
             rows.append(ScheduledRow(req, n))
             budget -= n
-            available -= self._pages_needed(req, n)
+            available -= self.kv.pages_to_grow(req.request_id, req.num_computed + n)
         if self.offloaded:
             return rows  # freed pages go to the evicted (older) requests first
-        ps = self.kv.page_size
         for req in self.waiting:
             if len(rows) >= cfg.max_num_seqs or budget <= 0 or req.hold_until > now:
                 break
             # Waiting requests hold no pages: the prefix is only probed until they are admitted.
-            cached = self.kv.probe_prefix(req.token_ids) if self.kv.prefix is not None else 0
-            need = -(-req.num_tokens // ps) - cached // ps
+            need = self.kv.pages_to_admit(req.token_ids)
             # A request bigger than the whole pool goes to admit, so the KV cache refuses it
             # (AdmitRuntimeError) instead of it blocking the queue forever.
             if need > available and need <= self.kv.num_pages and (rows or self.running):
@@ -207,47 +195,25 @@ class Scheduler:
             available -= need
         return rows
 
-    def _pages_needed(self, req: Request, num_tokens: int) -> int:
-        ps = self.kv.page_size
-        total = (req.num_computed + num_tokens + ps - 1) // ps
-        return max(0, total - self.kv.pages_held_by(req.request_id))
-
     def _match_prefix(self, req: Request) -> None:
         """Reuse cached prefix pages for a request about to (re)prefill."""
-        if req.num_computed == 0 and self.kv.prefix is not None:
+        if req.num_computed == 0:
             matched = self.kv.match_prefix(req.request_id, req.token_ids)
             req.num_computed = matched
             req.num_cached_tokens = max(req.num_cached_tokens, matched)
 
     def _unmatch(self, req: Request) -> None:
         """Give back the prefix pages a waiting request matched for a step it did not get."""
-        if req.status is RequestStatus.WAITING and self.kv.pages_held_by(req.request_id):
+        if req.status is RequestStatus.WAITING and self.kv.holds_pages(req.request_id):
             self.runner.reset_request(req.request_id, free=True)
             req.num_computed = self.kv.stored_len(req.request_id)
 
     def _declare(self, rows: list[ScheduledRow]) -> tuple[SubmoduleStep, list[int]]:
-        """The step over `rows` (one Segment per request) and the rows that sample this step."""
-        segments = [Segment(r.request.request_id, LABEL, r.num_tokens) for r in rows]
-        steps: dict[str, ResourceStep] = {KV: ResourceStep(), ATTN: ResourceStep()}
-        steps[ROPE] = ResourceStep()
-        sample_rows = [i for i, r in enumerate(rows) if r.num_tokens == r.request.num_uncomputed]
-        if sample_rows:
-            steps[SAMPLER] = ResourceStep(tuple(segments[i] for i in sample_rows))
-        step = SubmoduleStep(steps, segments)
-        batched_decode = len(sample_rows) == len(rows) and all(r.num_tokens == 1 for r in rows)
-        step.set_ctx(self.make_context([s.request_id for s in segments], batched_decode))
+        """The step over `rows` with this scheduler's context, and the rows that sample."""
+        step, sample_rows = declare_step(rows)
+        ids = [r.request.request_id for r in rows]
+        step.set_ctx(self.make_context(ids, is_batched_decode(rows, sample_rows)))
         return step, sample_rows
-
-    def predict_next(self, batch: ScheduledBatch) -> SubmoduleStep | None:
-        """The step after `batch` if nothing changes: its rows decoding one more token each.
-
-        Only a batched decode is predicted (a prefill's next chunk depends on the budget). It
-        is a guess to pre-plan against; a real step that differs clears the stage.
-        """
-        rows = batch.rows
-        if len(batch.sample_rows) != len(rows) or any(r.num_tokens != 1 for r in rows):
-            return None
-        return self._declare([ScheduledRow(r.request, 1) for r in rows])[0]
 
     # -- refusals ----------------------------------------------------------------------------------
     def _answer(
@@ -261,14 +227,18 @@ class Scheduler:
         index = in_batch.get(getattr(reason, "request_id", None) or "", len(rows) - 1)
         blamed = rows[index].request
         attrs: dict[str, Any] = {
-            "reason": type(reason).__name__,
+            "reason": reason_name(reason),
             "resource": resource,
             "message": reason.message if reason is not None else "",
         }
         if isinstance(reason, AllocationFailed):
             attrs.update(pages_short=reason.pages_short, label=reason.label)
         if isinstance(reason, AdmitRuntimeError):
-            culprit = self._isolate_terminal_refusal(rows) or blamed
+            culprit = blamed
+            if getattr(reason, "request_id", None) not in in_batch:
+                # The seed's class names no request (our resources refuse with
+                # `RequestRejected`, which does): find it the slow way.
+                culprit = self._isolate_terminal_refusal(rows) or blamed
             self._event(culprit, "admit_refused", now, attrs)
             message = f"resource {resource} rejected the request: {reason.message}"
             self._finish(culprit, FinishReason.ERROR, RequestError(ErrorKind.REJECTED, message))
@@ -289,7 +259,7 @@ class Scheduler:
             for r in rows[index:]:
                 self._unmatch(r.request)
             return rows[:index]
-        if self.kv.num_pages_in_transit >= reason.pages_short:
+        if self.kv.pages_in_transit() >= reason.pages_short:
             return rows[:index] + rows[index + 1 :]  # pages are on their way: wait for them
         victim = self._choose_victim(resource, blamed, now)
         if victim is None:
@@ -340,7 +310,7 @@ class Scheduler:
         self._event(victim, "recomputed", now, {"resource": resource, "tokens": victim.num_tokens})
 
     def _isolate_terminal_refusal(self, rows: list[ScheduledRow]) -> Request | None:
-        """A batch refusal that no eviction cures: find which row can never be served."""
+        """A nameless batch refusal that no eviction cures: the row that is refused alone."""
         if len(rows) == 1:
             return rows[0].request
         for r in rows:
@@ -354,12 +324,11 @@ class Scheduler:
 
     def _reload(self, now: float) -> None:
         """Bring offloaded requests back, oldest first, while free pages allow."""
-        ps = self.kv.page_size
         for req in list(self.offloaded):
             if req.hold_until > now or self.kv.copy_in_flight(req.request_id):
                 return
-            room = self.kv.num_free_pages + self.kv.num_cached_pages - self._watermark
-            if self.running and room < -(-req.num_computed // ps) + 1:  # its pages + one to grow
+            room = self.kv.room() - self._watermark
+            if self.running and room < self.kv.pages_for(req.num_computed) + 1:  # + one to grow
                 return
             if not self.runner.reload(req.request_id):
                 return
@@ -455,45 +424,16 @@ class Scheduler:
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = [
-            _output(req)
+            req.take_output()
             for req in self._touched.values()
             if req.pending_tokens or req.pending_events
         ]
         self._touched.clear()
         for req in self._finished:
-            outputs.append(_output(req))
+            outputs.append(req.take_output())
             del self.requests[req.request_id]
         self._finished.clear()
         return outputs
 
 
-def _output(req: Request) -> RequestOutput:
-    """The request's progress since its previous output (deltas, then cleared)."""
-    out = RequestOutput(
-        request_id=req.request_id,
-        new_token_ids=req.pending_tokens,
-        new_logprobs=req.pending_logprobs if req.params.logprobs is not None else None,
-        finished=req.finished,
-        finish_reason=req.finish_reason,
-        error=req.error,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=req.num_output_tokens,
-        num_cached_tokens=req.num_cached_tokens,
-        events=req.pending_events,
-        arrival_time=req.arrival_time,
-        first_scheduled_time=req.first_scheduled_time,
-        first_token_time=req.first_token_time,
-        finished_time=req.finished_time,
-    )
-    req.pending_tokens, req.pending_logprobs, req.pending_events = [], [], []
-    return out
-
-
-__all__ = [
-    "ScheduledBatch",
-    "ScheduledRow",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerCounters",
-    "StepResult",
-]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerCounters"]

@@ -13,17 +13,49 @@ the other slot's buffers (the step in flight) are never written.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from mstar.engine.cuda_graphs import GrowOnlyBuffers, pad_decode_layout
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.kv.cache import KVCache
+from mstar.engine.resources.kv.config import pages_for
 from mstar.engine.resources.kv.plan import KVPlan
+from mstar.engine.resources.static_buffers import GrowOnlyBuffers
 from mstar.engine.resources.step import ResourceStep, SlotLease, StepContext
 from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention, write_kv
 from mstar.kernels.paged_attention import KernelDecodeStep
+
+
+class PaddedLayout(NamedTuple):
+    """A decode step's CSR arrays padded to ``bs`` rows, pad rows on the sink page."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    write_slots: torch.Tensor  # int64 [bs], on the KV plan's device
+
+
+def pad_decode_layout(plan: KVPlan, bs: int, sink_page: int) -> PaddedLayout:
+    """Append ``bs - n`` one-token rows that read and write only page ``sink_page``, slot 0."""
+    n = len(plan.request_ids)
+    if n > bs:
+        raise ValueError(f"{n} rows do not fit a bucket of {bs}")
+    if n and not plan.is_decode:
+        raise ValueError("only decode steps (one token per row) replay a graph")
+    pad = bs - n
+    i32 = torch.int32
+    qo = torch.arange(bs + 1, dtype=i32)
+    kv_tail = plan.kv_indptr[-1:].to(i32) if n else torch.zeros(1, dtype=i32)
+    kv_indptr = torch.cat([plan.kv_indptr[:-1].to(i32), kv_tail + torch.arange(pad + 1, dtype=i32)])
+    kv_indices = torch.cat([plan.kv_indices.to(i32), torch.full((pad,), sink_page, dtype=i32)])
+    last = torch.cat([plan.kv_last_page_len.to(i32), torch.ones(pad, dtype=i32)])
+    # write_slots stay on the cache's device: no device-to-host copy on the replay path.
+    dev = plan.write_slots.device
+    sink_slot = torch.full((pad,), sink_page * plan.page_size, dtype=torch.int64, device=dev)
+    write_slots = torch.cat([plan.write_slots.to(torch.int64), sink_slot])
+    return PaddedLayout(qo, kv_indptr, kv_indices, last, write_slots)
 
 
 def graph_backend(backend: Any, batch_size: int, max_pages: int) -> Any:
@@ -96,7 +128,7 @@ class AttentionResource(Resource):
         """A backend per (bucket, slot) and a write-slot buffer per slot; existing ones stay."""
         if self.sink_page is None:
             raise RuntimeError("CUDA-graph padding needs the KV cache's sink page")
-        pages_per_row = -(-max_seq_len // self.cache.page_size)
+        pages_per_row = pages_for(max_seq_len, self.cache.page_size)
         for spec in slots:
             bufs = self._slot_buffers.setdefault(spec.slot, GrowOnlyBuffers(self.cache.device))
             bufs.ensure("write_slots", max_bs, torch.int64)

@@ -1,7 +1,6 @@
 """`Resource`: the fixed per-request and per-step lifecycle every engine resource follows.
 
-Every method is a no-op default so a resource overrides only the stages it takes part in; the
-runner detects overrides of `publish` / `admit_retrieve` and skips the defaults entirely.
+Every method is a no-op default so a resource overrides only the stages it takes part in.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ class Resource:
 
     #: Opt in to planning one step ahead (pre-admit / pre-plan) under a slot lease.
     supports_preplan: bool = False
-    #: Needs per-slot buffers even without pre-planning (e.g. a reused staging buffer).
-    force_double_buffer: bool = False
     #: Can move a request's state to host memory and back.
     supports_eviction: bool = False
 
@@ -33,16 +30,6 @@ class Resource:
 
     def remove_request(self, request_id: str) -> None:
         """Free everything the request holds, host copies included."""
-
-    def admit_retrieve(
-        self, request_id: str, node: str, graph_walk: str, published: Any | None
-    ) -> AdmitOutcome:
-        """Take in state another worker published; `ready=False` while it is in flight."""
-        return ADMIT_OK
-
-    def publish(self, request_id: str) -> Any | None:
-        """Durable per-request state for other workers, or None when there is nothing."""
-        return None
 
     def reset_request(self, request_id: str, free: bool = False) -> None:
         """Return a padding row to rest; `free=True` also gives its storage back.
@@ -101,9 +88,6 @@ class Resource:
     # -- engine --------------------------------------------------------------------------------
     def build_cuda_graph_buffers(self, slots: Sequence[Any], max_bs: int, max_seq_len: int) -> None:
         """Size static buffers for graph capture. Grow only: never clobber a captured address."""
-
-    def post_warmup_validate(self) -> None:
-        """Check invariants once warm-up and capture are done."""
 
     def cleanup(self) -> None:
         """Release everything at engine shutdown."""

@@ -14,10 +14,16 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.engine.cuda_graphs import GrowOnlyBuffers, pad_positions
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.kv.plan import KVPlan
+from mstar.engine.resources.static_buffers import GrowOnlyBuffers
 from mstar.engine.resources.step import ResourceStep, SlotLease, StepContext
+
+
+def pad_positions(prefix_lens: torch.Tensor, bs: int) -> torch.Tensor:
+    """Decode positions (each row's prefix length) padded with position 0 up to ``bs``."""
+    pad = torch.zeros(bs - prefix_lens.shape[0], dtype=torch.int64)
+    return torch.cat([prefix_lens.to("cpu", torch.int64), pad])
 
 
 class PositionsResource(Resource):

@@ -1,24 +1,19 @@
 """`StepRunner`: drives one declared step through every resource in dependency order.
 
-Everything structural is settled once at construction (topological order, pre-plan subset,
-override-detected publish/retrieve orders, per-node sweeps); per step the runner only looks up
-a cached key order and loops. Admission short-circuits on the first refusal and names the
-refusing resource, because a resource does not know the key it is registered under.
+Everything structural is settled once at construction (topological order, pre-plan subset);
+per step the runner only looks up a cached key order and loops. Admission short-circuits on the
+first refusal and names the refusing resource, because a resource does not know the key it is
+registered under. No resource here answers ``ok=True, ready=False`` (that is for state arriving
+from another worker, which this engine does not have), so a sweep with no refusal is admitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mstar.engine.resources.base import Resource
-from mstar.engine.resources.step import (
-    FULL_ADMIT_NOT_READY,
-    FULL_ADMIT_OK,
-    FullAdmitOutcome,
-    SubmoduleStep,
-)
+from mstar.engine.resources.step import FULL_ADMIT_OK, FullAdmitOutcome, SubmoduleStep
 
 StageKey = tuple[Any, ...]
 
@@ -52,47 +47,18 @@ def topo_order(resources: Mapping[str, Resource]) -> tuple[str, ...]:
     return tuple(order)
 
 
-def _overrides(res: Resource, name: str) -> bool:
-    return getattr(type(res), name) is not getattr(Resource, name)
-
-
 class StepRunner:
     """Sequencer of the per-step protocol over a node's resources (see module docstring)."""
 
-    def __init__(
-        self,
-        resources: Mapping[str, Resource],
-        node_resources: Mapping[str, Iterable[str]] | None = None,
-        enable_nvtx: bool = False,
-    ) -> None:
+    def __init__(self, resources: Mapping[str, Resource]) -> None:
         self.resources: dict[str, Resource] = dict(resources)
         self.order = topo_order(self.resources)
         self._rank = {key: i for i, key in enumerate(self.order)}
         self.preplan_order = tuple(k for k in self.order if self.resources[k].supports_preplan)
         self._check_preplan_deps()
-        self._publish_order = tuple(
-            k for k in self.order if _overrides(self.resources[k], "publish")
-        )
-        self._retrieve_order = tuple(
-            k for k in self.order if _overrides(self.resources[k], "admit_retrieve")
-        )
-        self._node_keys: dict[str, frozenset[str]] | None = None
-        if node_resources is not None:
-            self._node_keys = {}
-            for node, keys in node_resources.items():
-                keys = frozenset(keys)
-                unknown = sorted(keys - self.resources.keys())
-                if unknown:
-                    raise ValueError(f"node {node!r} names unknown resource(s): {unknown}")
-                self._node_keys[node] = keys
         self._key_cache: dict[frozenset[str], tuple[str, ...]] = {}
         self._preplan_key_cache: dict[frozenset[str], tuple[str, ...]] = {}
         self._staged: StageKey | None = None
-        self._nvtx: Callable[[str], AbstractContextManager[Any]] | None = None
-        if enable_nvtx:
-            import torch
-
-            self._nvtx = torch.cuda.nvtx.range
 
     # -- construction helpers ------------------------------------------------------------------
     def _check_preplan_deps(self) -> None:
@@ -125,15 +91,6 @@ class StepRunner:
             self._preplan_key_cache[keyset] = order
         return order
 
-    def _node_order(self, order: Sequence[str], node: str | None) -> Sequence[str]:
-        if node is None or self._node_keys is None or node not in self._node_keys:
-            return order
-        keys = self._node_keys[node]
-        return [k for k in order if k in keys]
-
-    def _range(self, stage: str, key: str) -> AbstractContextManager[Any]:
-        return self._nvtx(f"res.{stage}.{key}") if self._nvtx is not None else nullcontext()
-
     # -- per request ---------------------------------------------------------------------------
     def ingest_request(self, request_id: str, overrides: Mapping[str, Any] | None = None) -> None:
         for key in self.order:
@@ -149,36 +106,6 @@ class StepRunner:
         """Reset the request in every resource at once (recompute drops all of its state)."""
         for key in self.order:
             self.resources[key].reset_request(request_id, free)
-
-    def admit_retrieve(
-        self,
-        request_id: str,
-        node: str,
-        graph_walk: str,
-        published: Mapping[str, Any] | None = None,
-    ) -> FullAdmitOutcome:
-        ready = True
-        for key in self._node_order(self._retrieve_order, node):
-            info = None if published is None else published.get(key)
-            outcome = self.resources[key].admit_retrieve(request_id, node, graph_walk, info)
-            if not outcome.ok:
-                return FullAdmitOutcome(outcome, key)
-            ready = ready and outcome.ready
-        return FULL_ADMIT_OK if ready else FULL_ADMIT_NOT_READY
-
-    def publish(
-        self, request_ids: Iterable[str], node: str | None = None
-    ) -> dict[str, dict[str, Any]]:
-        order = self._node_order(self._publish_order, node)
-        out: dict[str, dict[str, Any]] = {}
-        for rid in request_ids:
-            infos = {}
-            for key in order:
-                info = self.resources[key].publish(rid)
-                if info is not None:
-                    infos[key] = info
-            out[rid] = infos
-        return out
 
     # -- per step ------------------------------------------------------------------------------
     def admit(self, step: SubmoduleStep) -> FullAdmitOutcome:
@@ -198,8 +125,7 @@ class StepRunner:
         steps = step.steps
         resources = self.resources
         for key in self._keys_for(step):
-            with self._range("commit", key):
-                resources[key].commit(steps[key], ctx)
+            resources[key].commit(steps[key], ctx)
 
     def abort_step(self, step: SubmoduleStep) -> None:
         """Undo an admitted step on every declared resource, even past one that raises."""
@@ -237,7 +163,6 @@ class StepRunner:
             ctx.graph_walk,
             tuple(ctx.padded_request_ids),
             None if lease is None else lease.slot,
-            step.cg_key_info,
             tuple((k, step.steps[k].segments) for k in self._preplan_keys_for(step)),
         )
 
@@ -252,16 +177,12 @@ class StepRunner:
         ctx = step.ctx
         steps = step.steps
         resources = self.resources
-        ready = True
         for key in order:
             res = resources[key]
-            with self._range("admit", key):
-                outcome = res.pre_admit(steps[key], ctx) if preplan else res.admit(steps[key], ctx)
+            outcome = res.pre_admit(steps[key], ctx) if preplan else res.admit(steps[key], ctx)
             if not outcome.ok:
                 return FullAdmitOutcome(outcome, key)
-            if not outcome.ready:
-                ready = False
-        return FULL_ADMIT_OK if ready else FULL_ADMIT_NOT_READY
+        return FULL_ADMIT_OK
 
     def _sweep_plan(
         self, step: SubmoduleStep, order: Sequence[str], preplan: bool
@@ -273,10 +194,7 @@ class StepRunner:
         results.clear()
         for key in order:
             res = resources[key]
-            with self._range("plan", key):
-                results[key] = (
-                    res.pre_plan(steps[key], ctx) if preplan else res.plan(steps[key], ctx)
-                )
+            results[key] = res.pre_plan(steps[key], ctx) if preplan else res.plan(steps[key], ctx)
         return results
 
     # -- eviction, scoped to the resources that ran out ----------------------------------------
@@ -304,16 +222,6 @@ class StepRunner:
         return any(res.is_offloaded(request_id) for res in self._evictable(None))
 
     # -- engine --------------------------------------------------------------------------------
-    def build_cuda_graph_buffers(
-        self, slots: Sequence[Any], max_bs: int, max_seq_len: int, node: str | None = None
-    ) -> None:
-        for key in self._node_order(self.order, node):
+    def build_cuda_graph_buffers(self, slots: Sequence[Any], max_bs: int, max_seq_len: int) -> None:
+        for key in self.order:
             self.resources[key].build_cuda_graph_buffers(slots, max_bs, max_seq_len)
-
-    def post_warmup_validate(self) -> None:
-        for key in self.order:
-            self.resources[key].post_warmup_validate()
-
-    def cleanup(self) -> None:
-        for key in self.order:
-            self.resources[key].cleanup()

@@ -149,9 +149,11 @@ class BucketKey:
 
 @dataclass(frozen=True)
 class SlotLease:
-    """attention admit gives to inform which slot to plan and replay
+    """Which double-buffer slot a step plans into and replays on; ``bucket`` None means eager.
 
-    has no clean channel to plan/commit/release. see O.
+    The model runner leases it when it builds the step's context; the resources read it from
+    `StepContext.slot_lease` in plan (there is no separate release: the next step's lease
+    takes the other slot).
     """
 
     slot: int

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mstar.engine.outputs import FinishReason
+from mstar.engine.sampling_params import FLOAT_BOUNDS
 from mstar.engine.server.protocol import CHAT_ROLES, INT64, MAX_N, MAX_TOP_LOGPROBS
 
 JSON = "application/json"
@@ -38,9 +39,11 @@ def _int(lo: int | None = None, hi: int | None = None) -> Schema:
     return schema
 
 
-def _number(lo: float, hi: float, *, exclusive_lo: bool = False) -> Schema:
-    schema: Schema = {"type": ["number", "null"], "maximum": hi}
-    schema["exclusiveMinimum" if exclusive_lo else "minimum"] = lo
+def _number(name: str) -> Schema:
+    """A float parameter, in the range `SamplingParams` checks (`FLOAT_BOUNDS`)."""
+    bound = FLOAT_BOUNDS[name]
+    schema: Schema = {"type": ["number", "null"], "maximum": bound.hi}
+    schema["exclusiveMinimum" if bound.lo_open else "minimum"] = bound.lo
     return schema
 
 
@@ -57,13 +60,13 @@ COMMON: dict[str, Schema] = {
     "best_of": _int(1),
     "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
     "seed": _int(-INT64, INT64 - 1),
-    "temperature": _number(0.0, 2.0),
-    "top_p": _number(0.0, 1.0, exclusive_lo=True),
+    "temperature": _number("temperature"),
+    "top_p": _number("top_p"),
     "top_k": _int(-1),
-    "min_p": _number(0.0, 1.0),
-    "repetition_penalty": _number(0.0, 2.0, exclusive_lo=True),
-    "presence_penalty": _number(-2.0, 2.0),
-    "frequency_penalty": _number(-2.0, 2.0),
+    "min_p": _number("min_p"),
+    "repetition_penalty": _number("repetition_penalty"),
+    "presence_penalty": _number("presence_penalty"),
+    "frequency_penalty": _number("frequency_penalty"),
     "stop": {
         "anyOf": [
             {"type": "string", "minLength": 1},

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
 
 #: Most choices one request may ask for (OpenAI's own limit for chat).
 MAX_N = 128
@@ -265,26 +265,13 @@ def resolve_max_tokens(req: GenerationRequest, prompt_len: int, max_model_len: i
     """The completion budget, refusing (400) what cannot fit in the context."""
     if prompt_len == 0:
         raise bad_request("The prompt is empty.", req.prompt_param)
-    if prompt_len >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_len} tokens, leaving no room for a completion.",
-            req.prompt_param,
-            code="context_length_exceeded",
-        )
-    room = max_model_len - prompt_len
-    if req.max_tokens is None:
-        return room
-    if req.max_tokens > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + req.max_tokens} tokens ({prompt_len} in the "
-            f"{req.prompt_param}, {req.max_tokens} in the completion). Please reduce the "
-            f"length of the {req.prompt_param} or the completion.",
-            req.max_tokens_param,
-            code="context_length_exceeded",
-        )
-    return req.max_tokens
+    max_tokens = max_model_len - prompt_len if req.max_tokens is None else req.max_tokens
+    over = context_overflow(prompt_len, max_tokens, max_model_len, req.prompt_param)
+    if over is not None:
+        blamed, message = over
+        param = req.max_tokens_param if blamed == "max_tokens" else req.prompt_param
+        raise bad_request(message, param, code="context_length_exceeded")
+    return max_tokens
 
 
 def _parse_stop(body: dict[str, Any]) -> list[str]:

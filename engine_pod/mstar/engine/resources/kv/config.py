@@ -9,7 +9,12 @@ import torch
 
 from mstar.engine.resources.step import ResourceStep
 
-__all__ = ["KVConfig", "KVRequestConfig", "KVStep"]
+__all__ = ["KVConfig", "KVRequestConfig", "KVStep", "pages_for"]
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Whole pages that hold ``num_tokens`` tokens (ceiling division)."""
+    return (num_tokens + page_size - 1) // page_size
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from mstar.engine.resources.kv.config import pages_for
 from mstar.engine.resources.kv.stream import Stream
 from mstar.engine.resources.step import Segment
 
@@ -73,7 +74,7 @@ def build_plan(
             stored = stream.stored_len
             pages = stream.pages
         seq = stored + span
-        npages = (seq + ps - 1) // ps
+        npages = pages_for(seq, ps)
         held = len(pages)
         if npages > held:
             raise RuntimeError(

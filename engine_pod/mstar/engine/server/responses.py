@@ -1,0 +1,173 @@
+"""OpenAI response shaping: a whole JSON body, or server-sent events, from a `Generation`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
+
+from mstar.engine.server import sse
+from mstar.engine.server.choice import Delta, chat_logprobs, completion_logprobs
+from mstar.engine.server.protocol import APIError, GenerationRequest
+
+if TYPE_CHECKING:
+    from mstar.engine.server.lifecycle import Generation, SubRequest
+
+
+def logprobs_body(gen: Generation, delta: Delta) -> dict[str, Any] | None:
+    """A delta's logprobs in the route's shape, or None when none were asked for."""
+    req = gen.req
+    assert req is not None
+    if req.top_logprobs is None:
+        return None
+    tok = gen.state.engine.tokenizer
+    if req.kind == "chat":
+        return chat_logprobs(tok, delta.pieces, req.top_logprobs)
+    return completion_logprobs(tok, delta.pieces, 0)
+
+
+def chunk(gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    """One streamed event's body around ``choices``."""
+    assert gen.req is not None
+    body: dict[str, Any] = {
+        "id": gen.id,
+        "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
+        "created": gen.created,
+        "model": gen.state.model_name,
+        "choices": choices,
+    }
+    if gen.req.include_usage:
+        body["usage"] = None
+    return body
+
+
+def stream_choice(gen: Generation, sub: SubRequest, delta: Delta) -> dict[str, Any]:
+    lp = logprobs_body(gen, delta)
+    if gen.kind == "chat":
+        content: dict[str, Any] = {"content": delta.text} if delta.text else {}
+        return {
+            "index": sub.index,
+            "delta": content,
+            "logprobs": lp,
+            "finish_reason": delta.finish_reason,
+        }
+    return {
+        "index": sub.index,
+        "text": delta.text,
+        "logprobs": lp,
+        "finish_reason": delta.finish_reason,
+    }
+
+
+async def complete(gen: Generation, req: GenerationRequest) -> web.Response:
+    """Wait for every choice, then answer one JSON body."""
+    texts: dict[int, list[str]] = {s.index: [] for s in gen.subs}
+    logprobs: dict[int, list[dict[str, Any]]] = {s.index: [] for s in gen.subs}
+    while gen.pending():
+        for sub, delta in await gen.next_deltas():
+            texts[sub.index].append(delta.text)
+            lp = logprobs_body(gen, delta)
+            if lp is not None:
+                logprobs[sub.index].append(lp)
+    failure = gen.failure()
+    if failure is not None:
+        raise failure
+    choices = []
+    for sub in gen.subs:
+        text = "".join(texts[sub.index])
+        lp = None
+        if req.top_logprobs is not None:
+            lp = _merge_logprobs(logprobs[sub.index], req.kind)
+        if req.kind == "chat":
+            choices.append(
+                {
+                    "index": sub.index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": lp,
+                    "finish_reason": sub.choice.finish_reason,
+                }
+            )
+        else:
+            if req.echo:
+                prompt = gen.prompt_texts[sub.prompt_index] or gen.state.engine.tokenizer.decode(
+                    sub.prompt_ids
+                )
+                text = prompt + text
+            choices.append(
+                {
+                    "index": sub.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": sub.choice.finish_reason,
+                }
+            )
+    body = {
+        "id": gen.id,
+        "object": "chat.completion" if req.kind == "chat" else "text_completion",
+        "created": gen.created,
+        "model": gen.state.model_name,
+        "choices": choices,
+        "usage": gen.usage(),
+    }
+    return web.json_response(body)
+
+
+def _merge_logprobs(parts: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    if kind == "chat":
+        return {"content": [entry for p in parts for entry in p["content"]]}
+    merged: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for p in parts:
+        for key in merged:
+            merged[key].extend(p[key])
+    return merged
+
+
+async def stream(gen: Generation, req: GenerationRequest) -> web.StreamResponse:
+    """Answer server-sent events as choices produce text; usage and [DONE] last."""
+    response: web.StreamResponse | None = None
+    try:
+        while gen.pending():
+            deltas = await gen.next_deltas()
+            if not deltas:
+                continue
+            if response is None:
+                failure = gen.failure() if all(s.done for s in gen.subs) else None
+                if failure is not None and not any(d.text for _, d in deltas):
+                    raise failure
+                response = await sse.open_stream(gen.request)
+                if req.kind == "chat":
+                    role = [
+                        {
+                            "index": s.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for s in gen.subs
+                    ]
+                    await response.write(sse.encode_event(chunk(gen, role)))
+            for sub, delta in deltas:
+                if sub.error is not None and delta.finish_reason is not None:
+                    err = APIError(500, sub.error.message, type="internal_server_error")
+                    await response.write(sse.encode_event(err.body()))
+                await response.write(sse.encode_event(chunk(gen, [stream_choice(gen, sub, delta)])))
+        if response is None:  # no output at all (cannot normally happen): still a valid stream
+            response = await sse.open_stream(gen.request)
+        if req.include_usage:
+            final = chunk(gen, [])
+            final["usage"] = gen.usage()
+            await response.write(sse.encode_event(final))
+        await response.write(sse.DONE)
+        await response.write_eof()
+        return response
+    except ClientConnectionResetError:
+        gen.status = 499
+        gen.error = "client disconnected"
+        assert response is not None
+        return response
