@@ -31,6 +31,7 @@ die() { echo "cluster.sh: ERROR: $*" >&2; exit 1; }
 
 # A throwaway main module under $1 that requires $2@$3 (the module whose command we build).
 new_module() {
+    command -v go >/dev/null || die "go is not installed (https://go.dev/dl/, 1.26 or newer)"
     rm -rf "$1" && mkdir -p "$1"
     (cd "$1" && go mod init mstar.local/build >/dev/null 2>&1)
 }
@@ -71,7 +72,7 @@ build_kubernetes() {
     gomod="$(cd "$src" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
         | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')"
     staging="v0.${K8S_VERSION#v1.}"
-    for c in $(sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$gomod"); do
+    sed -n 's#^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$gomod" | while read -r c; do
         (cd "$src" && go mod edit -replace "$c=$c@$staging")
     done
     cmds="k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager"
@@ -122,12 +123,14 @@ cmd_crds() {
 }
 
 module_dir() {
-    (cd "$(mktemp -d)" && go mod download -json "$1") \
+    local tmp
+    tmp="$(mktemp -d)"
+    (cd "$tmp" && go mod download -json "$1") \
         | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])'
+    rmdir "$tmp"
 }
 
 cmd_build() {
-    command -v go >/dev/null || die "go is not installed (https://go.dev/dl/, 1.26 or newer)"
     local t0=$SECONDS t part
     for part in etcd kubernetes kwok; do
         t=$SECONDS
@@ -139,7 +142,7 @@ cmd_build() {
 
 
 STATE="${MSTAR_CLUSTER_DIR:-$HOME/.cache/mstar/cluster}"
-KWOK_READY_DELAY_MS="${MSTAR_KWOK_READY_DELAY_MS:-3000}" # a pod's not-ready spell after start
+KWOK_READY_DELAY_MS="${MSTAR_KWOK_READY_DELAY_MS:-5000}" # a pod's not-ready spell after start
 KUBE_BIN="$CACHE/kubernetes-$K8S_VERSION/bin"
 
 # Free loopback ports, one per argument, written as NAME=port lines.

@@ -100,6 +100,13 @@ for tool in podman buildah mmdebstrap runc shellcheck; do  # each binary = its D
 done
 # --- end of container image tools ---
 
+# The local Kubernetes control plane the operator's tests run on (tests/operator/test_cluster.py):
+# built once from Go modules into ~/.cache/mstar/k8s (cold: ~25 min on 2 cores; cached: seconds).
+if ! bash "$(dirname "$0")/cluster.sh" build; then
+    missing "the local control plane (scripts/cluster.sh build; needs Go)" \
+        "the operator's end-to-end tests will fail"
+fi
+
 if [ -n "$failed" ]; then
     exit 1
 fi
