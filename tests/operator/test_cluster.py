@@ -66,6 +66,21 @@ def wait_ready(cp: ControlPlane, name: str, namespace: str, replicas: int) -> di
     return wait_for(ready, f"{namespace}/{name} Ready with {replicas} replicas", WAIT)
 
 
+def wait_condition(cp: ControlPlane, name: str, namespace: str, kind: str, **want: str) -> Any:
+    """The CR once its `kind` condition has each field in `want` (`message`: a substring)."""
+
+    def matches() -> dict[str, Any] | None:
+        cr = cp.get("msd", name, namespace)
+        cond = condition(cr, kind)
+        ok = all(
+            v in str(cond.get(k, "")) if k == "message" else cond.get(k) == v
+            for k, v in want.items()
+        )
+        return cr if ok else None
+
+    return wait_for(matches, f"{namespace}/{name} {kind} {want}", WAIT)
+
+
 def pods(cp: ControlPlane, name: str, namespace: str) -> list[dict[str, Any]]:
     return cp.items("pods", namespace, "-l", manifests.selector_string(name))
 
@@ -276,14 +291,8 @@ def test_missing_priority_class_is_reported_as_degraded(
     doc = cpu_example(1)
     doc["spec"]["scheduling"] = {"priorityClassName": "no-such-class"}
     apply(control_plane, doc, namespace)
-    cr = wait_for(
-        lambda: (
-            (c := control_plane.get("msd", "smollm2-cpu", namespace))
-            and condition(c, "Degraded").get("reason") == "ReplicaFailure"
-            and c
-        ),
-        "Degraded=ReplicaFailure",
-        WAIT,
+    cr = wait_condition(
+        control_plane, "smollm2-cpu", namespace, "Degraded", reason="ReplicaFailure"
     )
     assert (
         "no PriorityClass with name no-such-class was found" in condition(cr, "Degraded")["message"]
@@ -466,15 +475,7 @@ def test_invalid_crs_are_rejected_by_the_apiserver(
     assert control_plane.items("msd", namespace) == []
 
     control_plane.kubectl("apply", "-n", namespace, "-f", str(CRS / "invalid-semantic.yaml"))
-    cr = wait_for(
-        lambda: (
-            (c := control_plane.get("msd", "broken", namespace))
-            and condition(c, "Degraded").get("reason") == "InvalidSpec"
-            and c
-        ),
-        "Degraded=InvalidSpec",
-        WAIT,
-    )
+    cr = wait_condition(control_plane, "broken", namespace, "Degraded", reason="InvalidSpec")
     assert "hostOffloadGiB (8 GiB) does not fit" in condition(cr, "Degraded")["message"]
     assert events(control_plane, namespace, "InvalidSpec")
     assert managed(control_plane, namespace) == []
@@ -615,15 +616,7 @@ def test_routing_without_its_crds_is_reported_once_then_heals(
         "this test needs a cluster without the InferencePool CRD"
     )
     apply(cp, load("mstardeployment-routed.yaml"), namespace)
-    cr = wait_for(
-        lambda: (
-            (c := cp.get("msd", "smollm2-routed", namespace))
-            and MISSING_API in condition(c, "Degraded").get("message", "")
-            and c
-        ),
-        "Degraded naming the missing CRDs",
-        WAIT,
-    )
+    cr = wait_condition(cp, "smollm2-routed", namespace, "Degraded", message=MISSING_API)
     assert condition(cr, "Degraded")["status"] == "True"
     assert cp.get("deployment", "smollm2-routed", namespace) is not None  # serving goes on
     mark = len(real_operator.log())
@@ -645,15 +638,7 @@ def test_routing_without_its_crds_is_reported_once_then_heals(
         "crd/httproutes.gateway.networking.k8s.io",
     )
     # The resync (every 20 s here) creates what was missing; nothing else changed.
-    cr = wait_for(
-        lambda: (
-            (c := cp.get("msd", "smollm2-routed", namespace))
-            and condition(c, "Degraded").get("status") == "False"
-            and c
-        ),
-        "the resync to create the routing children",
-        WAIT,
-    )
+    cr = wait_condition(cp, "smollm2-routed", namespace, "Degraded", status="False")
     wait_ready(cp, "smollm2-routed", namespace, 2)
     epp = router.epp_name("smollm2-routed")
     routing = [
