@@ -9,6 +9,10 @@
 #   scripts/cluster.sh crds    print a directory with the InferencePool and Gateway API CRDs
 #   scripts/cluster.sh restart-apiserver   stop and start kube-apiserver alone (etcd keeps state)
 #
+# Environment: MSTAR_CLUSTER_DIR (state, certs, logs; default ~/.cache/mstar/cluster),
+# MSTAR_K8S_CACHE (binaries), MSTAR_KWOK_READY_DELAY_MS (a pod's not-Ready spell, default 5000),
+# GOMODCACHE / GOCACHE (default under ~/.cache/mstar/go), MSTAR_BUILD_NICE (default 10).
+#
 # Why from source: no container runtime or registry serves kind/k3s here, and the Go module proxy
 # serves every component at a pinned version. Everything listens on 127.0.0.0/8 only.
 set -euo pipefail
