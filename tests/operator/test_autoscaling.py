@@ -1,11 +1,10 @@
 """Autoscaling end to end. The prometheus-adapter rule shipped in the chart's values and the KEDA
 ScaledObject's queries, evaluated by a real Prometheus scraping the real engine server under
-load, return the waiting count the server reports; `kubectl scale msd` works through the scale
-subresource, as the HPA and KEDA use it, with the real operator following."""
+load, return the waiting count the server reports. The scale subresource and the HPA on a real
+control plane: tests/operator/test_cluster.py."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,52 +137,7 @@ def test_adapter_rule_and_keda_queries_return_the_servers_waiting_count(
         assert query(prom, other) == []
 
 
-# -- the scale subresource with the real operator on the emulated cluster ---------------------
-
-CPU = ROOT / "examples" / "mstardeployment-cpu.yaml"
-CPU_NAME = "smollm2-cpu"
-
-
-def _dep_replicas(cluster: EmulatedCluster, name: str) -> int | None:
-    dep = cluster.get("apps/v1/deployments", "default", name)
-    return None if dep is None else int(dep["spec"]["replicas"])
-
-
-def test_kubectl_scale_goes_through_the_scale_subresource(
-    cluster: EmulatedCluster, kubectl: Kubectl, operator: Operator
-) -> None:
-    kubectl.apply(CPU)
-    wait_for(lambda: _dep_replicas(cluster, CPU_NAME) == 1, "the Deployment with 1 replica")
-    assert cluster.get("policy/v1/poddisruptionbudgets", "default", CPU_NAME) is None
-
-    kubectl.run("scale", "msd", CPU_NAME, "--replicas", "3")
-    wait_for(lambda: _dep_replicas(cluster, CPU_NAME) == 3, "the Deployment to follow to 3")
-    cr = cluster.get("mstar.dev/v1alpha1/mstardeployments", "default", CPU_NAME) or {}
-    assert cr["spec"]["replicas"] == 3
-    wait_for(
-        lambda: cluster.get("policy/v1/poddisruptionbudgets", "default", CPU_NAME),
-        "a PodDisruptionBudget once there are several replicas",
-    )
-    path = f"/apis/mstar.dev/v1alpha1/namespaces/default/mstardeployments/{CPU_NAME}/scale"
-
-    def scale() -> dict[str, Any]:
-        out = json.loads(kubectl.run("get", "--raw", path).stdout)
-        assert isinstance(out, dict)
-        return out
-
-    wait_for(lambda: scale()["status"].get("selector"), "the selector in the Scale status")
-    seen = scale()
-    assert (seen["kind"], seen["spec"]["replicas"]) == ("Scale", 3)
-    assert seen["status"]["selector"] == manifests.selector_string(CPU_NAME)  # what an HPA reads
-
-    kubectl.run("scale", "msd", CPU_NAME, "--replicas", "0")
-    wait_for(lambda: _dep_replicas(cluster, CPU_NAME) == 0, "the Deployment to follow to 0")
-    wait_for(
-        lambda: cluster.get("policy/v1/poddisruptionbudgets", "default", CPU_NAME) is None,
-        "the PodDisruptionBudget to go with the replicas",
-    )
-    bad = kubectl.run("scale", "msd", CPU_NAME, "--replicas", "-1", check=False)
-    assert bad.returncode != 0
+# -- KEDA mode: what the operator creates (KMock: a reconcile unit test; KEDA is not built here) --
 
 
 def test_keda_mode_creates_a_scaled_object_and_no_hpa(

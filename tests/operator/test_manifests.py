@@ -20,7 +20,7 @@ from mstar.operator.children import build_children, child_of
 from mstar.operator.reconcile import compute_status
 from mstar.operator.spec import InvalidSpec, MStarSpec, engine_config, parse_spec
 
-CASES = sorted((ROOT / "examples").glob("*.yaml")) + sorted(CRS.glob("valid-*.yaml"))
+CASES = sorted((ROOT / "examples").glob("mstardeployment*.yaml")) + sorted(CRS.glob("valid-*.yaml"))
 
 
 def load(path: Path) -> tuple[str, MStarSpec]:
@@ -222,6 +222,15 @@ def test_json_patch_restores_exactly_and_converges() -> None:
         "path": "/spec/template/metadata/annotations/prometheus.io~1scrape",
         "value": "true",
     } in ops
+    # One changed list item (a new engine setting): replaced in place, the list keeps its
+    # length, one patch converges (an "add" would insert, and a second patch follow).
+    edited = copy.deepcopy(manifests.strip_none(desired))
+    container(edited)["args"][3] = "changed"
+    ops = manifests.json_patch(desired, edited)
+    assert [op["op"] for op in ops] == ["replace"]
+    fixed = jsonpatch.apply_patch(edited, ops)
+    assert container(fixed)["args"] == container(desired)["args"]
+    assert manifests.json_patch(desired, fixed) == []
     cpu = deployment_for(ROOT / "examples" / "mstardeployment-cpu.yaml")
     sneaky = copy.deepcopy(manifests.strip_none(cpu))
     sneaky["spec"]["template"]["spec"]["nodeSelector"] = {"pool": "x"}

@@ -1,6 +1,7 @@
 """spec.router: the InferencePool, its endpoint picker and the HTTPRoute, checked against schemas
 written from the Gateway API Inference Extension's documentation, against the metric names the
-real engine server exports, and on the emulated cluster with the real operator."""
+real engine server exports. The operator creating and removing them on a real control plane:
+tests/operator/test_cluster.py."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import pytest
 import yaml
 from crd_schema import admit
 from crd_schema import problems as schema_problems
-from extension_schemas import install, load, problems
-from kube_emulator import EmulatedCluster
+from extension_schemas import load, problems
 from live_server import LiveServer, make_engine
-from op_harness import ROOT, Kubectl, Operator, wait_for
+from op_harness import ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.operator import manifests, router
@@ -166,67 +166,3 @@ def test_the_real_server_exports_every_metric_the_picker_reads(loaded_server: Li
         assert [s.labels for s in family.samples] == [{"model_name": "tiny"}]
     kv = families["mstar:kv_cache_usage_perc"].samples[0].value
     assert 0.0 <= kv <= 1.0  # a fraction, as the KV-cache scorer expects
-
-
-# -- the real operator on the emulated cluster -----------------------------------------------
-
-
-def _children_exist(cluster: EmulatedCluster) -> dict[str, Any] | None:
-    epp = router.epp_name(NAME)
-    found = {
-        "pool": cluster.get("inference.networking.k8s.io/v1/inferencepools", NS, NAME),
-        "route": cluster.get("gateway.networking.k8s.io/v1/httproutes", NS, NAME),
-        "epp": cluster.get("apps/v1/deployments", NS, epp),
-        "epp-service": cluster.get("v1/services", NS, epp),
-        "epp-config": cluster.get("v1/configmaps", NS, epp),
-        "epp-sa": cluster.get("v1/serviceaccounts", NS, epp),
-        "epp-binding": cluster.get("rbac.authorization.k8s.io/v1/rolebindings", NS, epp),
-    }
-    return found if all(found.values()) else None
-
-
-def test_operator_creates_and_removes_the_routing_children(
-    cluster: EmulatedCluster, kubectl: Kubectl, operator: Operator, tmp_path: Path
-) -> None:
-    install(kubectl, tmp_path, "inferencepool", "httproute")  # the emulator now validates them
-    kubectl.apply(ROUTED)
-    found = wait_for(lambda: _children_exist(cluster), "the routing children")
-    assert problems("inferencepool", found["pool"]) == []
-    assert problems("httproute", found["route"]) == []
-    owner = (cluster.get("mstar.dev/v1alpha1/mstardeployments", NS, NAME) or {})["metadata"]
-    for obj in found.values():
-        assert obj["metadata"]["ownerReferences"][0]["uid"] == owner["uid"]
-
-    kubectl.patch("mstardeployment", NAME, patch={"spec": {"router": None}})
-    wait_for(
-        lambda: (
-            not any(
-                cluster.get(res, NS, n)
-                for res, n in (
-                    ("inference.networking.k8s.io/v1/inferencepools", NAME),
-                    ("gateway.networking.k8s.io/v1/httproutes", NAME),
-                    ("apps/v1/deployments", router.epp_name(NAME)),
-                    ("v1/serviceaccounts", router.epp_name(NAME)),
-                )
-            )
-        ),
-        "the routing children to go when spec.router is removed",
-    )
-    assert cluster.get("apps/v1/deployments", NS, NAME)  # the engine stays
-
-
-def test_missing_extension_crds_are_reported(
-    cluster: EmulatedCluster, kubectl: Kubectl, operator: Operator
-) -> None:
-    kubectl.apply(ROUTED)
-
-    def degraded() -> str:
-        cr = cluster.get("mstar.dev/v1alpha1/mstardeployments", NS, NAME) or {}
-        for cond in (cr.get("status") or {}).get("conditions") or []:
-            if cond["type"] == "Degraded" and cond["status"] == "True":
-                return str(cond["message"])
-        return ""
-
-    message = wait_for(degraded, "Degraded for the missing InferencePool API")
-    assert "does not serve inference.networking.k8s.io/v1" in message
-    assert cluster.get("apps/v1/deployments", NS, NAME)  # serving goes on without routing

@@ -37,6 +37,10 @@ class KubeError(Exception):
         self.reason = reason
 
 
+class MissingAPI(KubeError):
+    """A kind whose CRDs this cluster lacks: not transient, so not worth a retry loop."""
+
+
 def load_api_client(kubeconfig: str | None = None) -> kubernetes.client.ApiClient:
     """In-cluster credentials, else the kubeconfig named here or in $KUBECONFIG (read now).
 
@@ -161,7 +165,7 @@ class Kube:
                 return None
             if exc.status == 404 and kind in CUSTOM_KINDS:
                 group, version, _ = CUSTOM_KINDS[kind]
-                raise KubeError(
+                raise MissingAPI(
                     404,
                     "NotFound",
                     f"{kind}: this cluster does not serve {group}/{version} (install its CRDs)",

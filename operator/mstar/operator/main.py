@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-
-import kopf
-
-from .router import DEFAULT_EPP_CLUSTER_ROLE
+import sys
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 DEFAULT_RESYNC_SECONDS = 300.0
@@ -35,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--epp-cluster-role",
-        default=os.environ.get("MSTAR_EPP_CLUSTER_ROLE", DEFAULT_EPP_CLUSTER_ROLE),
-        help="ClusterRole each endpoint picker is bound to in its namespace (spec.router).",
+        default=os.environ.get("MSTAR_EPP_CLUSTER_ROLE"),
+        help="ClusterRole each endpoint picker is bound to in its namespace (spec.router; "
+        "default: mstar-epp, the chart's).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="Debug logging.")
     return parser
@@ -44,9 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from . import handlers  # noqa: F401  (registers the handlers)
+    # kopf, kubernetes and PyYAML come with the `operator` extra, not with the engine: the
+    # README's first command installs this script without them.
+    try:
+        import kopf
 
-    kopf.configure(verbose=args.verbose)
+        from . import handlers  # noqa: F401  (registers the handlers)
+        from .router import DEFAULT_EPP_CLUSTER_ROLE
+    except ModuleNotFoundError as exc:
+        sys.exit(
+            f"mstar-operator: the Python package {exc.name!r} is missing; the operator needs "
+            "its extra: pip install 'mstar[operator]' (or -e '.[operator]' in a checkout)"
+        )
+
+    kopf.configure(verbose=args.verbose, log_prefix=True)  # [namespace/name] on each line
     # One active replica (Recreate strategy in the chart): no Kopf peering CRDs needed.
     kopf.run(
         standalone=True,
@@ -56,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         memo=kopf.Memo(
             namespaces=list(args.namespace),
             resync_seconds=args.resync_seconds,
-            epp_cluster_role=args.epp_cluster_role,
+            epp_cluster_role=args.epp_cluster_role or DEFAULT_EPP_CLUSTER_ROLE,
         ),
     )
 

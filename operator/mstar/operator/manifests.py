@@ -541,6 +541,10 @@ def json_patch(desired: Any, live: Any) -> list[dict[str, Any]]:
         pointer = "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path)
         if want is None:
             ops.append({"op": "remove", "path": pointer})
+        elif path and isinstance(path[-1], int):
+            # "add" at a list index inserts (RFC 6902): the list would grow by one and the
+            # next pass would replace it whole, a second rollout. The item exists: replace it.
+            ops.append({"op": "replace", "path": pointer, "value": strip_none(want)})
         else:
             ops.append({"op": "add", "path": pointer, "value": strip_none(want)})
     return ops

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import manifests
 from .children import build_children
-from .kube import Kube, KubeError
+from .kube import Kube, KubeError, MissingAPI
 from .router import DEFAULT_EPP_CLUSTER_ROLE
 from .spec import KIND, InvalidSpec, MStarSpec, parse_spec
 
@@ -220,12 +220,14 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any], epp_cluster_role: str) -> 
     deployment: dict[str, Any] | None = None
     try:
         if spec is not None:
+            _publish_selector(kube, name, namespace, old_status)
             rollout = int(meta.get("generation") or 1) != old_status.get("observedGeneration")
             conflicts: list[str] = []
             for child in build_children(name, namespace, uid, spec, epp_cluster_role):
                 try:
                     live = _apply_child(kube, child, name, uid, namespace, rollout, out)
-                except OwnershipConflict as exc:  # report it, still manage the other children
+                except (OwnershipConflict, MissingAPI) as exc:
+                    # In status, not retried: a resync or the user's fix heals it. Keep going.
                     conflicts.append(str(exc))
                     live = None
                 if (child.kind, child.name) == ("Deployment", name):
@@ -246,6 +248,15 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any], epp_cluster_role: str) -> 
     if not _same_status(old_status, status):
         kube.patch_cr_status(namespace, name, status)
     return out
+
+
+def _publish_selector(kube: Kube, name: str, namespace: str, old_status: dict[str, Any]) -> None:
+    """Write status.selector before any child exists: the HPA reads it through the scale
+    subresource and answers `SelectorRequired` while it is empty."""
+    selector = manifests.selector_string(name)
+    if old_status.get("selector") != selector:
+        kube.patch_cr_status(namespace, name, {"selector": selector})
+        old_status["selector"] = selector
 
 
 def _own_deployment(kube: Kube, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
