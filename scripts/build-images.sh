@@ -29,10 +29,13 @@ WORK="$CACHE/images"
 MIRROR="${MSTAR_DEBIAN_MIRROR:-http://deb.debian.org}"
 # The base's packages, pinned (bookworm with its updates and security suites).
 BASE_PACKAGES="python3.11=3.11.2-6+deb12u9,python3-venv=3.11.2-1+b1,ca-certificates=20250419~deb12u2,passwd"
-# PyTorch's CUDA 13.0 build is on PyPI; FlashInfer's precompiled kernels (flashinfer-jit-cache)
-# come from FlashInfer's own index for that CUDA version. --isolated ignores local pip config:
-# a local CPU wheel torch-2.13.0+cpu would otherwise satisfy torch==2.13.0.
-CUDA_PIP_ARGS="--isolated --extra-index-url https://flashinfer.ai/whl/cu130"
+# Both engine images take torch 2.13.0 from PyPI: there it is the CUDA 13.0 build, and it is
+# what the CPU image runs too (PyPI has no CPU-only torch for Linux x86-64; see
+# engine_pod/README.md). --isolated ignores local pip config (find-links holding a local
+# torch-2.13.0+cpu wheel would otherwise satisfy torch==2.13.0). FlashInfer's precompiled
+# kernels (flashinfer-jit-cache) come from FlashInfer's own index for that CUDA version.
+ENGINE_PIP_ARGS="--isolated"
+CUDA_PIP_ARGS="$ENGINE_PIP_ARGS --extra-index-url https://flashinfer.ai/whl/cu130"
 mkdir -p "$WHEELS" "$WORK"
 
 log() { printf 'build-images: %s\n' "$*" >&2; }
@@ -91,21 +94,19 @@ base_image() {
 fetch_wheels() {
     # $1: extra pip args (words), then the requirements files. A stamp per input set makes a
     # second run offline and instant.
-    local extra="$1" stamp
+    local extra="$1" stamp platforms=() v
     shift
     stamp="$WHEELS/.done-$( { cat "$@"; printf '%s' "$extra"; } | hash_of)"
     [ -e "$stamp" ] && return
+    # Every manylinux tag the base's glibc (bookworm: 2.36) runs, and the legacy aliases.
+    for v in $(seq 5 36); do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
+    for v in manylinux1 manylinux2010 manylinux2014; do platforms+=(--platform "${v}_x86_64"); done
     log "wheels: pip download -r $*"
     for f in "$@"; do
         # shellcheck disable=SC2086  # the extra args are words
         python3 -m pip download --quiet --disable-pip-version-check --no-deps \
             --only-binary=:all: --python-version 3.11 --implementation cp --abi cp311 \
-            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-            --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 \
-            --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 \
-            --platform manylinux_2_24_x86_64 --platform manylinux_2_25_x86_64 \
-            --platform any $extra ${MSTAR_PIP_ARGS:-} -d "$WHEELS" -r "$f" >&2
+            "${platforms[@]}" --platform any $extra ${MSTAR_PIP_ARGS:-} -d "$WHEELS" -r "$f" >&2
     done
     touch "$stamp"
 }
@@ -156,9 +157,11 @@ lock() {
     local tmp
     tmp="$(mktemp -d)"
     # shellcheck disable=SC2086  # the extra args are words
-    python3 -m pip install --quiet --dry-run --ignore-installed --report "$tmp/cpu.json" \
-        "torch==2.13.0+cpu" . ${MSTAR_PIP_ARGS:-}
-    python3 -m pip install --quiet --isolated --dry-run --ignore-installed --report "$tmp/cuda.json" \
+    python3 -m pip install --quiet $ENGINE_PIP_ARGS --dry-run --ignore-installed \
+        --report "$tmp/cpu.json" "torch==2.13.0" . ${MSTAR_PIP_ARGS:-}
+    # shellcheck disable=SC2086  # the extra args are words
+    python3 -m pip install --quiet $ENGINE_PIP_ARGS --dry-run --ignore-installed \
+        --report "$tmp/cuda.json" \
         "torch==2.13.0" "flashinfer-python==0.6.13" "flashinfer-cubin==0.6.13" .
     python3 -m pip install --quiet --dry-run --ignore-installed --report "$tmp/operator.json" \
         "kopf==1.45.2" "kubernetes==37.0.2" "pyyaml==6.0.4"
@@ -168,7 +171,10 @@ tmp = sys.argv[1]
 HEAD = ("# Every Python package of the {what}, pinned: the image is built\n"
         "# from exactly these wheels. Regenerate with `scripts/build-images.sh lock`.\n")
 NOTES = {
-    "cpu": "# torch's CPU build comes from the PyTorch CPU index or a local wheel; the rest from PyPI.\n",
+    "cpu": ("# torch 2.13.0 from PyPI, its CUDA 13.0 build (it imports only with the nvidia-* libraries\n"
+            "# present, and runs on CPU): PyPI has no CPU-only build. triton is left out: only\n"
+            "# torch.compile's GPU code uses it (the engine never compiles), and it is 0.7 GB. The image\n"
+            "# installs this complete set with --no-deps.\n"),
     "cuda": ("# torch 2.13.0 on PyPI is its CUDA 13.0 build, with the CUDA libraries as nvidia-* wheels\n"
              "# (no CUDA toolkit in the base). flashinfer-jit-cache (precompiled kernels: no nvcc at run\n"
              "# time) comes from FlashInfer's cu130 index, at flashinfer-python's exact version.\n"),
@@ -176,12 +182,14 @@ NOTES = {
 }
 WHAT = {"cpu": "CPU engine image (REQUIREMENTS=cpu)", "cuda": "GPU engine image (REQUIREMENTS=cuda)",
         "operator": "operator image"}
+# Never pinned: mstar itself (its wheel is built from the checkout) and, for cpu, triton.
+DROP = {"cpu": {"mstar", "triton"}, "cuda": {"mstar"}, "operator": {"mstar"}}
 OUT = {"cpu": "engine_pod/requirements/cpu.txt", "cuda": "engine_pod/requirements/cuda.txt",
        "operator": "operator/requirements.txt"}
 for key, path in OUT.items():
     report = json.load(open(f"{tmp}/{key}.json"))
     pins = [f"{i['metadata']['name']}=={i['metadata']['version']}"
-            for i in report["install"] if i["metadata"]["name"] != "mstar"]
+            for i in report["install"] if i["metadata"]["name"] not in DROP[key]]
     if key == "cuda":
         pins.append("flashinfer-jit-cache==0.6.13")
     text = HEAD.format(what=WHAT[key]) + NOTES[key] + "\n".join(sorted(pins, key=str.lower)) + "\n"
@@ -209,7 +217,8 @@ for target in "${targets[@]}"; do
             build "localhost/mstar-operator:$TAG" operator/Dockerfile \
                 "$WORK/operator-requirements" operator "$wheel" ;;
         engine-cpu)
-            fetch_wheels "" engine_pod/requirements/cpu.txt engine_pod/requirements/no-deps.txt
+            fetch_wheels "$ENGINE_PIP_ARGS" engine_pod/requirements/cpu.txt \
+                engine_pod/requirements/no-deps.txt
             build "localhost/mstar-engine-cpu:$TAG" engine_pod/Dockerfile \
                 "$ROOT/engine_pod/requirements" cpu "$wheel" ;;
         engine-cuda)

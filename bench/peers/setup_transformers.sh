@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # transformers in its own virtual environment (never the project's). Idempotent.
-# Prints the venv's python. torch==2.13.0 is the CPU wheel pip already has on disk.
+# Prints the venv's python. torch==2.13.0: PyPI's (its CUDA 13.0 build, which runs on CPU), or a
+# local CPU wheel where pip's find-links holds one.
 set -euo pipefail
 VENV="${MSTAR_BENCH_VENVS:-$HOME/.cache/mstar/bench-venvs}/transformers"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import transformers" 2>/dev/null; then

