@@ -23,18 +23,6 @@ constexpr int64_t kTileRows = 16;  // rows per A / C tile
 constexpr int64_t kPanelCols = kAmxPanelCols;  // columns per panel: two B tiles of 16
 constexpr int64_t kBlockElems = 2 * 16 * 32;  // one K step of a panel (2 KB)
 
-#if defined(__AVX512BF16__)
-// Lanes [0, n) of a 16-float vector, and bf16 values widened into them (zeros elsewhere).
-inline __m512 widen_bf16(__mmask16 keep, const c10::BFloat16* p) {
-  const __m256i h = _mm256_maskz_loadu_epi16(keep, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __mmask16 lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
-#endif
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct alignas(64) TileConfig {
   uint8_t palette_id;

@@ -6,18 +6,6 @@
 namespace mstar_cpu {
 namespace {
 
-#if defined(__AVX512BF16__)
-// Lanes [0, n) of a 16-float vector, and bf16 values widened into them (zeros elsewhere).
-inline __m512 widen_bf16(__mmask16 keep, const c10::BFloat16* p) {
-  const __m256i h = _mm256_maskz_loadu_epi16(keep, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __mmask16 lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
-#endif
-
 // -- bf16 GEMM on VDPBF16PS for decode-sized batches (AVX512-BF16 without AMX) -----------------
 // Each instruction multiplies 16 columns by a pair of K: the weight is packed once into panels
 // of 32 columns, each k-pair row of a panel 128 contiguous bytes, so a panel is one sequential

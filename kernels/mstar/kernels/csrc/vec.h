@@ -196,6 +196,19 @@ inline void keep_alive(const i16v& v) {
 }
 
 
+// The GEMMs' masked bf16 loads (AMX and VDPBF16PS stores, biases).
+#if defined(__AVX512BF16__)
+// Lanes [0, n) of a 16-float vector, and bf16 values widened into them (zeros elsewhere).
+inline __m512 widen_bf16(__mmask16 keep, const c10::BFloat16* p) {
+  const __m256i h = _mm256_maskz_loadu_epi16(keep, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+#endif
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace mstar_cpu
