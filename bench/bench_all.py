@@ -499,9 +499,10 @@ def main() -> None:
         ap.error("llama.cpp runs the packaged SmolLM2 GGUF only: add --no-llama-cpp with --model")
     folder = args.model or str(default_model_path())
     if args.serve_dtype is None:
-        from mstar.kernels.cpu_gemm import cpu_has_bf16
+        from mstar.kernels import cpu_kernels
+        from mstar.kernels.cpu_gemm import cpu_prefers_bf16
 
-        args.serve_dtype = "bfloat16" if cpu_has_bf16() else "float32"
+        args.serve_dtype = "bfloat16" if cpu_prefers_bf16(cpu_kernels.load()) else "float32"
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     out = args.out or HERE / "results" / time.strftime("%Y%m%d-%H%M.md", time.gmtime())
     report = Report(

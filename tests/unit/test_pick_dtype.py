@@ -1,4 +1,5 @@
-"""`--dtype auto` follows the CPU's bf16 support; explicit dtypes are honoured as given."""
+"""`--dtype auto` takes bf16 where it is the faster dtype on the CPU; explicit dtypes are
+honoured as given."""
 
 from __future__ import annotations
 
@@ -6,20 +7,51 @@ import pytest
 import torch
 
 from mstar.engine import engine
+from mstar.kernels import cpu_gemm, cpu_isa
 
 
-@pytest.mark.parametrize(("native_bf16", "want"), [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_on_cpu_follows_native_bf16(monkeypatch, native_bf16, want):
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: native_bf16)
+@pytest.mark.parametrize(("faster", "want"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_on_cpu_takes_bf16_where_it_is_faster(monkeypatch, faster, want):
+    monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: faster)
     assert engine._pick_dtype("auto", torch.device("cpu")) == want
 
 
+class _Kernels:
+    def __init__(self, fma: bool) -> None:
+        self.fma = fma
+
+    def fma_available(self) -> bool:
+        return self.fma
+
+
+#: /proc/cpuinfo flags: a Zen 1 (AVX2), a Skylake-SP (AVX-512, no bf16 math), a Zen 4
+_AVX2 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
+_SKYLAKE = _AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+_ZEN4 = _SKYLAKE | {"avx512_bf16"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "kernels", "want"),
+    [
+        (_ZEN4, None, True),  # native bf16 math
+        (_AVX2, _Kernels(fma=True), True),  # the FMA bf16 GEMM over half-size weights
+        (_AVX2, None, False),  # kernels off: bf16 would be float32 GEMMs on copies
+        (_SKYLAKE, _Kernels(fma=True), False),  # oneDNN's emulated bf16
+    ],
+    ids=["avx512-bf16", "avx2", "avx2-no-kernels", "avx512-no-bf16"],
+)
+def test_bf16_is_preferred_where_it_is_measured_faster(monkeypatch, flags, kernels, want):
+    monkeypatch.delenv(cpu_isa.ENV_LEVEL, raising=False)
+    monkeypatch.setattr(cpu_isa, "detect", lambda: cpu_isa.CpuFeatures(frozenset(flags)))
+    assert cpu_gemm.cpu_prefers_bf16(kernels) is want
+
+
 def test_auto_on_cuda_is_bf16(monkeypatch):
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: False)
     assert engine._pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
 def test_explicit_dtype_wins(monkeypatch, name):
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: True)
     assert engine._pick_dtype(name, torch.device("cpu")) == getattr(torch, name)

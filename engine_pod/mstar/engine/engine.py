@@ -32,8 +32,8 @@ from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
-from mstar.kernels import resolve_attention_backend, select_attention_backend
-from mstar.kernels.cpu_gemm import cpu_has_bf16
+from mstar.kernels import cpu_kernels, resolve_attention_backend, select_attention_backend
+from mstar.kernels.cpu_gemm import cpu_prefers_bf16
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
@@ -267,14 +267,14 @@ def _pick_device(name: str) -> torch.device:
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on CUDA, and on CPUs with native bf16 math (AVX512-BF16 or AMX), where it
-    halves the bytes each token reads; float32 on other CPUs. There bf16 multiplies float32
-    copies of its weights from two rows up (oneDNN's emulated bf16 GEMM is 3.6x slower at 32
-    rows on a 2-core AVX-512 Xeon without AVX512-BF16), so bf16 buys KV memory but no GEMM
-    speed, while float32 is the dtype whose greedy output is token-exact against transformers.
+    """``auto``: bf16 on CUDA, and on CPUs where it is the faster dtype (`cpu_prefers_bf16`:
+    native bf16 math, or AVX2 with the kernels' FMA bf16 GEMM), where it halves the bytes each
+    token reads; float32 on other CPUs (AVX-512 without bf16 math: oneDNN's emulated bf16 GEMM
+    buys KV memory but no speed), the dtype whose greedy output is token-exact against
+    transformers.
     """
     if name == "auto":
-        if device.type == "cuda" or cpu_has_bf16():
+        if device.type == "cuda" or cpu_prefers_bf16(cpu_kernels.load()):
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
