@@ -497,5 +497,6 @@ case "${1:-}" in
     down) cmd_down ;;
     env) cmd_env ;;
     restart-apiserver) cmd_restart_apiserver ;;
-    *) die "usage: $0 build|up|down|env|crds|restart-apiserver" ;;
+    -h | --help) sed -n '2,/^$/s/^# \{0,1\}//p' "$0" ;;  # the header above
+    *) die "usage: $0 build|up|down|env|crds|restart-apiserver (--help for more)" ;;
 esac

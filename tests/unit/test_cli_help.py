@@ -81,3 +81,19 @@ def test_a_help_that_crashes_is_caught(tmp_path: Path) -> None:
     )
     done = _run_help("brokencli:main", [], cwd=tmp_path)  # `-c` puts the cwd on sys.path
     assert done.returncode != 0 and "TypeError" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-m", "mstar.kernels.build", "--help"],
+        ["bash", str(ROOT / "scripts" / "cluster.sh"), "--help"],
+        [sys.executable, str(ROOT / "bench" / "bench_all.py"), "--help"],
+    ],
+    ids=["mstar.kernels.build", "cluster.sh", "bench_all.py"],
+)
+def test_the_other_commands_answer_help(command: list[str]) -> None:
+    """The module and script CLIs the READMEs name answer --help with exit 0 and build nothing."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "usage" in done.stdout.lower() or "scripts/cluster.sh build" in done.stdout
