@@ -11,7 +11,8 @@ Protocol per step:
 
 One reentrant lock guards stream and arena state; the allocator has its own lock.
 
-Offload and reload to host memory (claim -> copy -> land) are `HostOffload`'s (offload.py).
+Offload and reload to host memory (claim -> copy -> land) are `HostOffload`'s (offload.py);
+prefix reuse and indexing are `PrefixSharing`'s (prefix_sharing.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from mstar.engine.resources.kv.debug import check_pages_conserved, debug_asserts
 from mstar.engine.resources.kv.host import HostPagePool
 from mstar.engine.resources.kv.offload import HostOffload
 from mstar.engine.resources.kv.plan import KVPlan, build_plan
-from mstar.engine.resources.kv.prefix import ROOT_KEY, PrefixIndex, chain_key
-from mstar.engine.resources.kv.stream import Stream
+from mstar.engine.resources.kv.prefix import PrefixIndex
+from mstar.engine.resources.kv.prefix_sharing import PrefixSharing
+from mstar.engine.resources.kv.stream import MAIN_LABEL, Stream
 from mstar.engine.resources.kv.transfer import CopyLedger
 from mstar.engine.resources.refusals import RequestRejected
 from mstar.engine.resources.step import (
@@ -44,15 +46,12 @@ from mstar.engine.resources.step import (
 
 __all__ = ["MAIN_LABEL", "KVCacheResource"]
 
-#: The only label our Llama models use; streams stay keyed by (request_id, label) regardless.
-MAIN_LABEL = "main"
-
 
 def _refuse(reason: Any) -> AdmitOutcome:
     return AdmitOutcome(False, True, reason)
 
 
-class KVCacheResource(HostOffload, Resource):
+class KVCacheResource(PrefixSharing, HostOffload, Resource):
     """Paged KV cache with a refcounted arena, a prefix index and a host offload tier."""
 
     supports_eviction = True
@@ -216,60 +215,6 @@ class KVCacheResource(HostOffload, Resource):
             if not any(stream is m for m in moving):
                 self._drop_stream_storage(stream)
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Reuse indexed pages for the request's prompt; returns the number of tokens reused.
-
-        Whole pages only, at most ``len(token_ids) - 1`` tokens so at least one is computed.
-        Call before the request's first admit: it sets the main stream's pages and stored
-        length. Any later call (or a call on a stream that already holds state) changes nothing
-        and answers the stream's stored length. Counts ``prefix_queries`` / ``prefix_hits`` in
-        tokens, once per request.
-        """
-        ps = self.page_size
-        with self._lock:
-            per = self._streams.get(request_id)
-            if per is None:
-                raise KeyError(f"match_prefix: request {request_id!r} was never ingested")
-            stream = per.setdefault(MAIN_LABEL, Stream())
-            if stream.matched is not None or stream.pages or stream.stored_len or stream.offloaded:
-                # Already matched or already holding state: the truthful answer is how many of
-                # the request's tokens the cache holds; counted once, never re-matched.
-                return stream.stored_len
-            self.prefix_queries += len(token_ids)
-            pages, keys = self._lookup_prefix(token_ids)
-            self.arena.retain(pages)
-            stream.pages = pages
-            stream.keys = keys
-            stream.stored_len = matched = len(pages) * ps
-            stream.matched = matched
-            stream.generation += 1
-            self.prefix_hits += matched
-            self._check()
-            return matched
-
-    def probe_prefix(self, token_ids: Sequence[int]) -> int:
-        """Tokens `match_prefix` would reuse now; takes nothing and counts nothing."""
-        with self._lock:
-            return len(self._lookup_prefix(token_ids)[0]) * self.page_size
-
-    def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Indexed pages (and their keys) of the longest whole-page prefix, at most len - 1."""
-        pages: list[int] = []
-        keys: list[bytes] = []
-        if self.prefix is None:
-            return pages, keys
-        ps = self.page_size
-        parent = ROOT_KEY
-        for i in range(max(len(token_ids) - 1, 0) // ps):
-            key = chain_key(parent, token_ids[i * ps : (i + 1) * ps])
-            page = self.prefix.get(key)
-            if page is None:
-                break
-            pages.append(page)
-            keys.append(key)
-            parent = key
-        return pages, keys
-
     # -- per step ------------------------------------------------------------------------------
     def admit(self, step: ResourceStep, ctx: StepContext) -> AdmitOutcome:
         """Reserve whole pages for each segment's span; all segments or none get new pages."""
@@ -412,38 +357,6 @@ class KVCacheResource(HostOffload, Resource):
                 stream = None if per is None else per.get(label)
                 if stream is not None:
                     stream.step_in_flight = False
-
-    def _index_pages(self, rid: str, stream: Stream) -> None:
-        """Offer the stream's newly filled whole pages to the prefix index.
-
-        Keys come from the request's live token list; pages the list does not cover yet wait
-        for a later commit. Only the main stream is indexed (its tokens are the request's).
-        """
-        tokens = self._tokens.get(rid)
-        prefix = self.prefix
-        if tokens is None or prefix is None:
-            return
-        ps = self.page_size
-        keys = stream.keys
-        full = min(stream.stored_len, len(tokens)) // ps
-        parent: bytes | None = keys[-1] if keys else None
-        for i in range(len(keys), full):
-            key = chain_key(
-                parent if parent is not None else ROOT_KEY, tokens[i * ps : (i + 1) * ps]
-            )
-            prefix.insert(key, stream.pages[i], parent)
-            keys.append(key)
-            parent = key
-
-    # -- prefix cache --------------------------------------------------------------------------
-    def evict_prefix_cache(self, num_pages: int | None = None) -> int:
-        """Evict LRU index leaves (all evictable ones by default); returns pages freed."""
-        if self.prefix is None:
-            return 0
-        with self._lock:
-            freed = self.prefix.evict(len(self.prefix) if num_pages is None else num_pages)
-            self._check()
-            return freed
 
     # -- engine --------------------------------------------------------------------------------
     def cleanup(self) -> None:

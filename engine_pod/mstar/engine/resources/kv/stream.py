@@ -5,6 +5,10 @@ from __future__ import annotations
 __all__ = ["Stream"]
 
 
+#: The only label our Llama models use; streams stay keyed by (request_id, label) regardless.
+MAIN_LABEL = "main"
+
+
 class Stream:
     """Pages and length of one stream.
 
