@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from mstar_model_testutil import PagedPool
+from tiny_checkpoints import randomize_qkv_bias_
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -81,14 +82,7 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0):
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.3)
+        randomize_qkv_bias_(model)
     model.eval()
 
     w = gguf.GGUFWriter(str(path), arch=family)

@@ -39,6 +39,14 @@ def write_tokenizer(folder: Path, template_in_jinja_file: bool = False) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tcfg))
 
 
+def randomize_qkv_bias_(model: torch.nn.Module) -> None:
+    """Qwen2's Q/K/V biases start at zero: random ones make the bias path matter to a test."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.3)
+
+
 def make_checkpoint(
     folder: Path, family: str, *, rope_scaling=None, tie=False, shard=False, seed=0
 ) -> torch.nn.Module:
@@ -63,14 +71,7 @@ def make_checkpoint(
     else:
         cfg = Qwen2Config(**common, rope_theta=10000.0)
         model = Qwen2ForCausalLM(cfg)
-        with torch.no_grad():  # biases init to zero; make them matter
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.3)
+        randomize_qkv_bias_(model)
     with torch.no_grad():  # RMSNorm weights init to one; make them matter too
         for name, p in model.named_parameters():
             if "norm" in name:
