@@ -21,8 +21,17 @@ namespace {
 
 constexpr int kFmaRows = 6;  // rows per pass: 12 ymm accumulators of AVX2's 16 registers
 
-// 16 bf16 weights at p widened to float32.
-inline f16v widen16(const bf16* p) { return load(p); }
+// One output row of a panel, rounded to bf16: all 16 columns, or the first `cols` of the last
+// panel (all 16 lanes rounded, the real columns kept).
+inline void store_row(bf16* out, f16v v, int64_t cols) {
+  if (cols == kFmaCols) {
+    store(out, v);
+    return;
+  }
+  bf16 tmp[kFmaCols];
+  store(tmp, v);
+  std::memcpy(out, tmp, cols * sizeof(bf16));
+}
 
 // Rows [0, R) of xf (float32, row stride K) times one packed panel b over all of K, plus bias,
 // rounded to bf16 into out (row stride ldo), the first `cols` columns. ``next`` (or null): the
@@ -37,19 +46,11 @@ void fma_pass(const float* xf, int64_t kdim, const bf16* b, const char* next, in
   for (int64_t s = 0; s < kdim; ++s) {
     if (next != nullptr)
       for (due += lines; due >= kdim; due -= kdim, next += 64) __builtin_prefetch(next, 0, 2);
-    const f16v w = widen16(b + s * kFmaCols);
+    const f16v w = load(b + s * kFmaCols);  // 16 bf16 widened to float32
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) acc[i] += xf[i * kdim + s] * w;
   }
-  for (int i = 0; i < R; ++i) {
-    if (cols == kFmaCols) {
-      store(out + i * ldo, acc[i] + bias);
-    } else {  // the last panel: round all 16 lanes, keep the real columns
-      bf16 tmp[kFmaCols];
-      store(tmp, acc[i] + bias);
-      std::memcpy(out + i * ldo, tmp, cols * sizeof(bf16));
-    }
-  }
+  for (int i = 0; i < R; ++i) store_row(out + i * ldo, acc[i] + bias, cols);
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -82,14 +83,7 @@ void fma_pass_avx2(const float* xf, int64_t kdim, const bf16* b, const char* nex
     alignas(32) float sums[kFmaCols];
     _mm256_store_ps(sums, lo[i]);
     _mm256_store_ps(sums + 8, hi[i]);
-    const f16v v = load(sums) + bias;
-    if (cols == kFmaCols) {
-      store(out + i * ldo, v);
-    } else {
-      bf16 tmp[kFmaCols];
-      store(tmp, v);
-      std::memcpy(out + i * ldo, tmp, cols * sizeof(bf16));
-    }
+    store_row(out + i * ldo, load(sums) + bias, cols);
   }
 }
 #define MSTAR_FMA_PASS fma_pass_avx2
