@@ -12,8 +12,8 @@ from models import TINY_VOCAB, hf_greedy
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import (
-    CPU_OFFLINE_BATCHED_TOKENS,
-    CPU_SERVING_BATCHED_TOKENS,
+    CPU_FIXED_SERVING_BATCHED_TOKENS,
+    DEFAULT_BATCHED_TOKENS,
     LLMEngine,
 )
 from mstar.engine.outputs import ErrorKind
@@ -21,6 +21,7 @@ from mstar.engine.request import RequestStatus
 from mstar.engine.resources.kv import KVRequestConfig
 from mstar.engine.resources.step import ResourceStep, Segment, StepContext
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+from mstar.engine.step_budget import StepCostModel
 
 NEW_TOKENS = 24
 
@@ -76,10 +77,10 @@ def test_greedy_matches_transformers_qwen2(tiny_qwen2_dir: Path) -> None:
 
 
 def test_step_budget_defaults_to_the_cpu_values_and_a_flag_wins(tiny_llama_dir: Path) -> None:
-    """Unset, a CPU engine budgets CPU_OFFLINE_BATCHED_TOKENS (2048) per step, and behind the
-    server CPU_SERVING_BATCHED_TOKENS (512): three 300-token prompts prefill in one step
-    offline, in two behind the server (300 + 212, then 88 + 300); an explicit budget is honoured
-    by both."""
+    """Unset, a CPU engine budgets DEFAULT_BATCHED_TOKENS (2048) per step offline, and behind the
+    server with --step-budget fixed CPU_FIXED_SERVING_BATCHED_TOKENS (512): three 300-token
+    prompts prefill in one step offline, in two behind the server (300 + 212, then 88 + 300); an
+    explicit budget is honoured by both. The adaptive server budget is capped at the default."""
     one_token = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def finished_per_step(engine: LLMEngine) -> list[int]:
@@ -96,15 +97,39 @@ def test_step_budget_defaults_to_the_cpu_values_and_a_flag_wins(tiny_llama_dir: 
         )  # type: ignore[arg-type]
         return LLMEngine.from_config(cfg, serving=serving)
 
-    offline, served = engine(False), engine(True)
-    assert offline.scheduler.config.max_num_batched_tokens == CPU_OFFLINE_BATCHED_TOKENS == 2048
-    assert served.scheduler.config.max_num_batched_tokens == CPU_SERVING_BATCHED_TOKENS == 512
+    offline, served = engine(False), engine(True, step_budget="fixed")
+    assert offline.scheduler.config.max_num_batched_tokens == DEFAULT_BATCHED_TOKENS == 2048
+    assert offline.scheduler.step_budget is None
+    assert served.scheduler.config.max_num_batched_tokens == CPU_FIXED_SERVING_BATCHED_TOKENS
+    assert CPU_FIXED_SERVING_BATCHED_TOKENS == 512 and served.scheduler.step_budget is None
     assert finished_per_step(offline) == [3]
     assert finished_per_step(served) == [1, 2]
     for serving in (False, True):
-        explicit = engine(serving, max_num_batched_tokens=1024)
+        explicit = engine(serving, max_num_batched_tokens=1024, step_budget="fixed")
         assert explicit.scheduler.config.max_num_batched_tokens == 1024
         assert finished_per_step(explicit) == [3]
+    adaptive = engine(True)
+    assert adaptive.scheduler.step_budget is not None
+    assert adaptive.scheduler.step_budget.cap == DEFAULT_BATCHED_TOKENS
+
+
+def test_adaptive_budget_learns_from_steps_and_stays_exact(
+    tiny_llama_dir: Path, reference: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind the server the budget follows the measured step costs: every executed step feeds the
+    cost model, prompts are chunked where it says, and greedy output stays token-exact."""
+    cfg = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_pages=512)
+    engine = LLMEngine.from_config(cfg, serving=True)
+    budget = engine.scheduler.step_budget
+    assert budget is not None
+    executed = []
+    execute = engine.model_runner.execute
+    monkeypatch.setattr(
+        engine.model_runner, "execute", lambda batch: executed.append(batch) or execute(batch)
+    )
+    assert engine.generate(_prompts(), GREEDY) == reference
+    assert budget.model.steps == len(executed) > 0
+    assert budget.model.coef != StepCostModel().coef
 
 
 def test_chunked_prefill_with_small_budget_is_exact(tiny_llama_dir: Path, reference: list) -> None:

@@ -17,6 +17,7 @@ EVICTION_POLICIES = ("lru", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+STEP_BUDGETS = ("adaptive", "fixed")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -61,13 +62,23 @@ class EngineConfig:
     max_num_batched_tokens: int | None = field(
         default=None,
         metadata=_flag(
-            "Token budget of one step (prefill is chunked to fit). Default: 2048 on CUDA; 512 "
-            "on CPU, where a step's time grows with its tokens, so smaller chunks let prompts "
-            "queued together start sooner (32 concurrent 128-token prompts, SmolLM2 on 2 cores: "
-            "TTFT p50 3.2 s -> 1.3 s at the same output tokens/s, ITL p99 0.21 s -> 0.58 s). "
-            "An LLMEngine built without the server (offline batches) defaults to 2048 on CPU: "
-            "fewer steps for the same tokens (64 prompts of 20-200 tokens, 64 new each, bf16: "
-            "418 -> 443 tok/s)."
+            "Most tokens in one step (prefill is chunked to fit); with --step-budget adaptive "
+            "the cap of the measured budget. Default 2048. With --step-budget fixed on CPU the "
+            "server defaults to 512, where a step's time grows with its tokens, so smaller "
+            "chunks let prompts queued together start sooner (32 concurrent 128-token prompts, "
+            "SmolLM2 on 2 cores: TTFT p50 3.2 s -> 1.3 s at the same output tokens/s)."
+        ),
+    )
+    step_budget: str = field(
+        default="adaptive",
+        metadata=_flag(
+            "How a serving step's token budget is chosen. adaptive: from the measured cost of "
+            "steps, up to --max-num-batched-tokens: prompt chunks may stretch a step to a few "
+            "times the running streams' decode step, and a queue of prompts is absorbed in as "
+            "few steps as keeps its mean time to first token lowest (mstar.engine.step_budget). "
+            "fixed: every step takes up to --max-num-batched-tokens tokens. Offline batches "
+            "(no server) always use the fixed budget.",
+            choices=STEP_BUDGETS,
         ),
     )
     max_model_len: int | None = field(
@@ -150,6 +161,7 @@ class EngineConfig:
             ("device", DEVICES),
             ("eviction_policy", EVICTION_POLICIES),
             ("attention_backend", ATTENTION_BACKENDS),
+            ("step_budget", STEP_BUDGETS),
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_dash(name)} must be one of {', '.join(allowed)}")

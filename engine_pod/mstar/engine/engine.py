@@ -38,11 +38,10 @@ from mstar.kernels.cpu_gemm import cpu_prefers_bf16
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
 #: Step token budgets when --max-num-batched-tokens is unset (its help has the measurements).
-#: On CPU a server keeps steps short for TTFT; offline, where only the batch's end counts, bigger
-#: chunks mean fewer steps (vLLM-CPU's defaults make the same split: 2048 serving, 4096 offline).
-CPU_SERVING_BATCHED_TOKENS = 512
-CPU_OFFLINE_BATCHED_TOKENS = 2048
-CUDA_DEFAULT_BATCHED_TOKENS = 2048
+#: The adaptive serving budget and offline batches take up to the default; a CPU server with
+#: --step-budget fixed keeps steps short for TTFT.
+DEFAULT_BATCHED_TOKENS = 2048
+CPU_FIXED_SERVING_BATCHED_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -124,6 +123,7 @@ class LLMEngine:
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=_batched_tokens(config, device, serving),
+                adaptive_budget=serving and config.step_budget == "adaptive",
                 eviction_policy=config.eviction_policy,
                 max_model_len=self.max_model_len,
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
@@ -206,7 +206,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the progress of every request that moved or ended."""
         batch = self.scheduler.schedule()
-        result = self.model_runner.execute(batch) if batch is not None else None
+        if batch is None:
+            return self.scheduler.update(None, None)
+        start = time.perf_counter()
+        result = self.model_runner.execute(batch)
+        self.scheduler.observe_cost(batch, time.perf_counter() - start)
         return self.scheduler.update(batch, result)
 
     def has_unfinished_requests(self) -> bool:
@@ -283,9 +287,9 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -> int:
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
-    if device.type != "cpu":
-        return CUDA_DEFAULT_BATCHED_TOKENS
-    return CPU_SERVING_BATCHED_TOKENS if serving else CPU_OFFLINE_BATCHED_TOKENS
+    if serving and device.type == "cpu" and config.step_budget == "fixed":
+        return CPU_FIXED_SERVING_BATCHED_TOKENS
+    return DEFAULT_BATCHED_TOKENS
 
 
 def _default_num_pages(config: EngineConfig, device: torch.device, bytes_per_page: int) -> int:

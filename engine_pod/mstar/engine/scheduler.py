@@ -27,6 +27,7 @@ frees all of its pages (device and host) at once.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from mstar.engine.resources.step import (
     StepContext,
     SubmoduleStep,
 )
+from mstar.engine.step_budget import StepBudget
 
 #: Builds a step's context from its request ids and whether it is a batched decode.
 MakeContext = Callable[[list[str], bool], StepContext]
@@ -77,6 +79,9 @@ class SchedulerConfig:
     max_evictions: int = 2
     #: Pages left free when admitting new requests, as a fraction of the pool (at least one).
     watermark: float = 0.01
+    #: Budget each step from measured step costs (`StepBudget`), capped at
+    #: `max_num_batched_tokens`; otherwise every step takes up to that many tokens.
+    adaptive_budget: bool = False
 
 
 @dataclass
@@ -119,6 +124,9 @@ class Scheduler:
         )
         #: The model runner's `step_context` (a slot lease when graphs or pre-planning are on).
         self.make_context = make_context
+        self.step_budget: StepBudget | None = (
+            StepBudget(config.max_num_batched_tokens) if config.adaptive_budget else None
+        )
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.offloaded)
@@ -161,10 +169,37 @@ class Scheduler:
             rows = self._answer(outcome, rows, now)
         return None
 
+    def _budget(self, now: float) -> int:
+        """This step's token budget: fixed, or from the measured step costs (`StepBudget`)."""
+        if self.step_budget is None:
+            return self.config.max_num_batched_tokens
+        decode_rows = pending = head = 0
+        for req in self.running:
+            n = req.num_uncomputed
+            if req.hold_until > now or n <= 0:
+                continue
+            if n == 1:
+                decode_rows += 1
+            else:
+                pending += n
+                head = head or n
+        if not self.offloaded:
+            for req in itertools.islice(self.waiting, self.config.max_num_seqs):
+                pending += req.num_uncomputed
+                head = head or req.num_uncomputed
+        return self.step_budget.tokens(decode_rows, pending, head)
+
+    def observe_cost(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Feed an executed step's time to the adaptive budget's cost model."""
+        if self.step_budget is not None:
+            decode_rows = sum(1 for r in batch.rows if r.num_tokens == 1)
+            prompt = sum(r.num_tokens for r in batch.rows if r.num_tokens > 1)
+            self.step_budget.observe(decode_rows, prompt, seconds)
+
     def _pick_rows(self, now: float) -> list[ScheduledRow]:
         cfg = self.config
         rows: list[ScheduledRow] = []
-        budget = cfg.max_num_batched_tokens
+        budget = self._budget(now)
         available = self.kv.room() - self._watermark
         for req in self.running:
             if len(rows) >= cfg.max_num_seqs or budget <= 0:

@@ -108,10 +108,18 @@ def _load_level(name: str) -> Any:
     from mstar.kernels import build  # here: `python -m mstar.kernels.build` imports this package
 
     level = cpu_isa.resolve(name)
+    path = build.library_path(level)
+    if not path.exists():
+        # The first start compiles for about a minute: say so before it, not only after.
+        log.info(
+            "CPU kernels: building level %s into %s (first start only; ~1 min on 2 cores; "
+            "`python -m mstar.kernels.build` does it ahead of time)",
+            level.name,
+            path.parent,
+        )
     seconds = build.build([level])
     if seconds > 1:
         log.info("CPU kernels: built level %s in %.1f s", level.name, seconds)
-    path = build.library_path(level)
     spec = importlib.util.spec_from_file_location(build.module_name(level), path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,0 +1,88 @@
+"""The adaptive step budget: a cost model fitted from step times, and the budget it implies."""
+
+import math
+import random
+
+import pytest
+
+from mstar.engine.step_budget import PRIOR, StepBudget, StepCostModel
+
+TRUE = (0.008, 0.0012, 0.0003)  # base, per decode row, per prompt token (seconds)
+
+
+def _seconds(decode_rows: int, prompt: int) -> float:
+    return TRUE[0] + TRUE[1] * decode_rows + TRUE[2] * prompt
+
+
+def _fitted(steps: int = 300, seed: int = 0) -> StepCostModel:
+    model, rng = StepCostModel(), random.Random(seed)
+    for _ in range(steps):
+        d, p = rng.randrange(0, 33), rng.choice([0, 0, 0, 64, 128, 256, 512])
+        model.observe(d, p, _seconds(d, p) * rng.uniform(0.95, 1.05))
+    return model
+
+
+def test_the_fit_recovers_a_linear_step_cost():
+    model = _fitted()
+    for got, want in zip(model.coef, TRUE, strict=True):
+        assert got == pytest.approx(want, rel=0.15)
+    assert model.predict(16, 256) == pytest.approx(_seconds(16, 256), rel=0.05)
+
+
+def test_steps_of_one_shape_predict_that_shape_and_keep_the_rest_finite():
+    """Only decode steps of 8 rows: the prompt-token cost cannot be identified, so it stays near
+    its prior instead of the solve blowing up, and the observed shape is predicted exactly."""
+    model = StepCostModel()
+    for _ in range(100):
+        model.observe(8, 0, 0.020)
+    assert model.predict(8, 0) == pytest.approx(0.020, rel=0.01)
+    assert model.coef[2] == pytest.approx(PRIOR[2], rel=0.05)
+    assert all(math.isfinite(c) and c >= 0 for c in model.coef)
+
+
+def test_one_slow_step_cannot_swing_the_fit():
+    model = _fitted()
+    before = model.predict(32, 0)
+    model.observe(32, 0, 100 * before)  # a first call of a new GEMM shape, a busy host
+    assert model.predict(32, 0) < 1.2 * before  # clipped to 2x: one step of ~33 moves it ~14%
+
+
+def test_prompt_chunks_stretch_a_step_at_most_by_the_stall_factor():
+    budget = StepBudget(cap=2048, model=_fitted())
+    for decode_rows in (8, 16, 32, 48):
+        tokens = budget.tokens(decode_rows, pending_prompt=4096, head_prompt=4096)
+        prompt = tokens - decode_rows
+        decode_step = _seconds(decode_rows, 0)
+        limit = max(budget.stall_factor * decode_step, budget.min_step_seconds)
+        assert prompt >= budget.min_tokens
+        assert _seconds(decode_rows, prompt) <= limit * 1.1
+
+
+def test_a_queue_of_prompts_with_nobody_decoding_is_absorbed_in_mean_ttft_optimal_chunks():
+    """No stream to protect: the chunk is sqrt(P * overhead / per_token), which minimises the
+    queue's mean wait (overhead + c * per_token) * (P / c + 1) / 2 over c."""
+    budget = StepBudget(cap=8192, model=_fitted())
+    base, _, per_token = budget.model.coef
+    pending = 32 * 128
+    chunk = budget.tokens(0, pending, head_prompt=128)
+
+    def mean_wait(c: int) -> float:
+        return (base + c * per_token) * (pending / c + 1) / 2
+
+    assert chunk == int(math.sqrt(pending * base / per_token))
+    assert mean_wait(chunk) <= min(mean_wait(c) for c in range(32, 4096, 8)) * 1.01
+
+
+def test_the_oldest_prompt_goes_whole_when_the_bound_allows():
+    budget = StepBudget(cap=2048, model=_fitted())
+    assert budget.tokens(0, pending_prompt=200, head_prompt=200) == 200
+    assert budget.tokens(4, pending_prompt=80, head_prompt=80) == 84  # the bound is ~90 here
+
+
+def test_the_budget_stays_within_its_floor_and_cap():
+    budget = StepBudget(cap=256, model=_fitted())
+    assert budget.tokens(0, pending_prompt=100_000, head_prompt=100_000) == 256
+    slow = StepBudget(cap=2048, min_tokens=32)
+    slow.model.coef = (0.001, 0.0001, 0.01)  # prompt tokens so dear the bound allows 3
+    assert slow.tokens(40, pending_prompt=5000, head_prompt=5000) == 40 + 32
+    assert budget.tokens(10, pending_prompt=0, head_prompt=0) == 256
