@@ -353,7 +353,10 @@ def bench_serve(url: str, folder: str, name: str, conc: int, args: argparse.Name
         res = json.loads((Path(tmp) / "r.json").read_text())
     lens = res.get("output_lens", [])
     if res["completed"] != max(args.num_prompts, conc) or any(n != args.new_tokens for n in lens):
-        raise SystemExit(f"{url}: {res['completed']} completed, output lengths {set(lens)}")
+        errors = sorted({e for e in res.get("errors", []) if e})[:3]
+        raise SystemExit(
+            f"{url}: {res['completed']} completed, output lengths {set(lens)}, errors {errors}"
+        )
     return res
 
 

@@ -8,11 +8,13 @@ A step's time is close to linear in its work (weights streamed once, then per-ro
 weighted least squares, pulled toward the previous estimate so a run of same-shaped steps cannot
 make it singular). `StepBudget` turns the fit into the next step's token budget:
 
-- **Stall bound** (running streams keep their pace): a step that carries prompt chunks takes at
-  most ``stall_factor`` times the decode-only step of the same streams, and never needs to be
-  shorter than ``min_step_seconds``. This is the latency-bounded chunk of Sarathi-Serve's
-  stall-free batching; a fixed token count cannot be that bound, because a decode row's cost and a
-  prompt token's cost change with the machine, the dtype and the batch.
+- **Stall bound** (running streams keep their pace): while more requests are decoding than
+  waiting for their first token, a step that carries prompt chunks takes at most
+  ``stall_factor`` times the decode-only step of the same streams, and never needs to be shorter
+  than ``min_step_seconds``. This is the latency-bounded chunk of Sarathi-Serve's stall-free
+  batching; a fixed token count cannot be that bound, because a decode row's cost and a prompt
+  token's cost change with the machine, the dtype and the batch. In a burst (as many requests
+  waiting as decoding) the waiting ones are the majority and the bound yields to the next rule.
 - **Burst absorption** (few steps for a queue of prompts): under that bound, the chunk that
   minimises the queue's mean time to first token. With ``P`` prompt tokens queued, every step
   paying ``overhead`` (base plus the decode rows) and ``c`` prompt tokens per step, the mean wait is
@@ -78,23 +80,25 @@ class StepBudget:
     """The next serving step's token budget (decode rows plus prompt tokens)."""
 
     cap: int
-    stall_factor: float = 2.5
-    min_step_seconds: float = 0.040
+    stall_factor: float = 3.0
+    min_step_seconds: float = 0.050
     min_tokens: int = 32
     model: StepCostModel = field(default_factory=StepCostModel)
 
-    def tokens(self, decode_rows: int, pending_prompt: int, head_prompt: int) -> int:
-        """Budget for a step with ``decode_rows`` streams decoding, ``pending_prompt`` prompt
-        tokens queued (running chunks and waiting prompts), ``head_prompt`` of them the oldest's."""
+    def tokens(self, decode_rows: int, prompts: int, pending_prompt: int, head_prompt: int) -> int:
+        """Budget for a step with ``decode_rows`` streams decoding and ``prompts`` requests still
+        to prefill ``pending_prompt`` tokens (running chunks and waiting prompts), ``head_prompt``
+        of them the oldest's."""
         if pending_prompt <= 0:
             return self.cap
         base, _, per_prompt = self.model.coef
         overhead = self.model.predict(decode_rows, 0)
-        if decode_rows:
+        if decode_rows > prompts:
+            # More streams than prompts: their pace is what most users see; bound the stall.
             allowed = max(self.stall_factor * overhead, self.min_step_seconds) - overhead
             bound = int(allowed / per_prompt)
         else:
-            bound = self.cap
+            bound = self.cap  # a burst: most requests are waiting for their first token
         absorb = int(math.sqrt(pending_prompt * max(overhead, base) / per_prompt))
         chunk = max(absorb, head_prompt) if head_prompt <= bound else absorb
         chunk = max(min(chunk, bound), self.min_tokens)
