@@ -2,6 +2,8 @@
 # A local Kubernetes control plane for the operator's tests and the README walkthrough.
 #
 #   scripts/cluster.sh build   build the pinned binaries once into ~/.cache/mstar/k8s (Go modules)
+#   scripts/cluster.sh build-tools [epp|jaeger|adapter]...   build the endpoint picker, Jaeger and
+#                              prometheus-adapter the observability tests run (same cache)
 #   scripts/cluster.sh up      build if needed, then start etcd, kube-apiserver, controller-manager,
 #                              scheduler and kwok (two fake nodes, one with nvidia.com/gpu) on loopback
 #   scripts/cluster.sh env     print `export KUBECONFIG=...` for the running cluster
@@ -22,8 +24,13 @@ K8S_VERSION=v1.37.2
 KWOK_VERSION=v0.8.0
 GIE_VERSION=v1.5.0          # Gateway API Inference Extension: the InferencePool CRDs
 GATEWAY_API_VERSION=v1.5.0  # Gateway API: HTTPRoute and friends
+# The programs around mstar that its tests run for real (built by `build-tools`):
+EPP_VERSION="$GIE_VERSION"  # the Inference Extension's endpoint picker, cmd/epp of the same module
+JAEGER_VERSION=v1.75.0      # newer tags are not served at this module path
+ADAPTER_VERSION=v0.12.0     # prometheus-adapter; v0.13.0 and @latest are refused by the proxy
 
 CACHE="${MSTAR_K8S_CACHE:-$HOME/.cache/mstar/k8s}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export GOMODCACHE="${GOMODCACHE:-$HOME/.cache/mstar/go/mod}"
 export GOCACHE="${GOCACHE:-$HOME/.cache/mstar/go/build}"
 export GOFLAGS="${GOFLAGS:--buildvcs=false} -trimpath"
@@ -110,6 +117,43 @@ build_kwok() {
     rm -rf "$out/stages" && cp -r "$dir/kustomize/stage" "$out/stages" && chmod -R u+w "$out/stages"
 }
 
+# $1 directory name, $2 module@version, $3 package of the command, $4 binary name, $5 ldflags:
+# `go get -tool` in a throwaway module, then build. (`go install X@v` is refused for modules
+# whose go.mod has replace directives, as the EPP's does.)
+build_tool() {
+    local out="$CACHE/$1" src
+    [ -x "$out/bin/$4" ] && return 0
+    log "building $4 ($2)"
+    src="$out/src"
+    new_module "$src"
+    (cd "$src" && go get -tool "$3@${2#*@}" \
+        && $NICE go build -ldflags "-s -w $5" -o "$out/bin/$4" "$3")
+}
+
+build_epp() {
+    local out="$CACHE/epp-$EPP_VERSION" gw="$ROOT/tests/operator/extproc_gateway/main.go"
+    build_tool "epp-$EPP_VERSION" "sigs.k8s.io/gateway-api-inference-extension@$EPP_VERSION" \
+        sigs.k8s.io/gateway-api-inference-extension/cmd/epp epp \
+        "-X sigs.k8s.io/gateway-api-inference-extension/version.BuildRef=$EPP_VERSION"
+    # The tests' gateway side of ext-proc, built against the picker's own envoy and grpc modules.
+    if ! cmp -s "$gw" "$out/src/extproc_gateway/main.go" || [ ! -x "$out/bin/extproc-gateway" ]; then
+        mkdir -p "$out/src/extproc_gateway" && cp "$gw" "$out/src/extproc_gateway/main.go"
+        (cd "$out/src" && go mod tidy && $NICE go build -ldflags "-s -w" \
+            -o "$out/bin/extproc-gateway" ./extproc_gateway)
+    fi
+}
+
+build_jaeger() {
+    build_tool "jaeger-$JAEGER_VERSION" "github.com/jaegertracing/jaeger@$JAEGER_VERSION" \
+        github.com/jaegertracing/jaeger/cmd/jaeger jaeger ""
+}
+
+build_adapter() {
+    build_tool "prometheus-adapter-$ADAPTER_VERSION" \
+        "sigs.k8s.io/prometheus-adapter@$ADAPTER_VERSION" \
+        sigs.k8s.io/prometheus-adapter/cmd/adapter adapter ""
+}
+
 # Print a directory with the InferencePool and Gateway API CRDs (from their Go modules).
 cmd_crds() {
     local out="$CACHE/crds-gie-$GIE_VERSION-gateway-$GATEWAY_API_VERSION" gie gw
@@ -142,6 +186,17 @@ cmd_build() {
         log "$part: $((SECONDS - t)) s"
     done
     log "binaries ready in $CACHE ($((SECONDS - t0)) s)"
+}
+
+# The endpoint picker, Jaeger and prometheus-adapter (or the ones named: epp jaeger adapter).
+cmd_build_tools() {
+    local t part parts=("$@")
+    [ $# -gt 0 ] || parts=(epp jaeger adapter)
+    for part in "${parts[@]}"; do
+        t=$SECONDS
+        "build_$part"
+        log "$part: $((SECONDS - t)) s"
+    done
 }
 
 
@@ -492,6 +547,7 @@ cmd_env() {
 
 case "${1:-}" in
     build) cmd_build ;;
+    build-tools) shift; cmd_build_tools "$@" ;;
     crds) cmd_crds ;;
     up) cmd_up ;;
     down) cmd_down ;;
