@@ -13,6 +13,7 @@
 #
 # Environment: MSTAR_CLUSTER_DIR (state, certs, logs; default ~/.cache/mstar/cluster),
 # MSTAR_K8S_CACHE (binaries), MSTAR_KWOK_READY_DELAY_MS (a pod's not-Ready spell, default 5000),
+# MSTAR_HPA_DOWNSCALE_WINDOW (the HPA's scale-down stabilization, default 15s, not 5m),
 # GOMODCACHE / GOCACHE (default under ~/.cache/mstar/go), MSTAR_BUILD_NICE (default 10).
 #
 # Why from source: no container runtime or registry serves kind/k3s here, and the Go module proxy
@@ -117,23 +118,35 @@ build_kwok() {
     rm -rf "$out/stages" && cp -r "$dir/kustomize/stage" "$out/stages" && chmod -R u+w "$out/stages"
 }
 
-# $1 directory name, $2 module@version, $3 package of the command, $4 binary name, $5 ldflags:
-# `go get -tool` in a throwaway module, then build. (`go install X@v` is refused for modules
-# whose go.mod has replace directives, as the EPP's does.)
+# The cache folder of each tool `build-tools` builds (its binaries in bin/).
+tool_dir() {
+    case "$1" in
+        epp) echo "$CACHE/epp-$EPP_VERSION" ;;
+        jaeger) echo "$CACHE/jaeger-$JAEGER_VERSION" ;;
+        adapter) echo "$CACHE/prometheus-adapter-$ADAPTER_VERSION" ;;
+        *) die "no tool $1 (epp, jaeger, adapter)" ;;
+    esac
+}
+
+# $1 tool, $2 module@version, $3 package of the command, $4 ldflags: `go get -tool` in a
+# throwaway module, then build bin/$1. (`go install X@v` is refused for modules whose go.mod
+# has replace directives, as the EPP's does.)
 build_tool() {
-    local out="$CACHE/$1" src
-    [ -x "$out/bin/$4" ] && return 0
-    log "building $4 ($2)"
+    local out src
+    out="$(tool_dir "$1")"
+    [ -x "$out/bin/$1" ] && return 0
+    log "building $1 ($2)"
     src="$out/src"
     new_module "$src"
     (cd "$src" && go get -tool "$3@${2#*@}" \
-        && $NICE go build -ldflags "-s -w $5" -o "$out/bin/$4" "$3")
+        && $NICE go build -ldflags "-s -w $4" -o "$out/bin/$1" "$3")
 }
 
 build_epp() {
-    local out="$CACHE/epp-$EPP_VERSION" gw="$ROOT/tests/operator/extproc_gateway/main.go"
-    build_tool "epp-$EPP_VERSION" "sigs.k8s.io/gateway-api-inference-extension@$EPP_VERSION" \
-        sigs.k8s.io/gateway-api-inference-extension/cmd/epp epp \
+    local out gw="$ROOT/tests/operator/extproc_gateway/main.go"
+    out="$(tool_dir epp)"
+    build_tool epp "sigs.k8s.io/gateway-api-inference-extension@$EPP_VERSION" \
+        sigs.k8s.io/gateway-api-inference-extension/cmd/epp \
         "-X sigs.k8s.io/gateway-api-inference-extension/version.BuildRef=$EPP_VERSION"
     # The tests' gateway side of ext-proc, built against the picker's own envoy and grpc modules.
     if ! cmp -s "$gw" "$out/src/extproc_gateway/main.go" || [ ! -x "$out/bin/extproc-gateway" ]; then
@@ -144,14 +157,13 @@ build_epp() {
 }
 
 build_jaeger() {
-    build_tool "jaeger-$JAEGER_VERSION" "github.com/jaegertracing/jaeger@$JAEGER_VERSION" \
-        github.com/jaegertracing/jaeger/cmd/jaeger jaeger ""
+    build_tool jaeger "github.com/jaegertracing/jaeger@$JAEGER_VERSION" \
+        github.com/jaegertracing/jaeger/cmd/jaeger ""
 }
 
 build_adapter() {
-    build_tool "prometheus-adapter-$ADAPTER_VERSION" \
-        "sigs.k8s.io/prometheus-adapter@$ADAPTER_VERSION" \
-        sigs.k8s.io/prometheus-adapter/cmd/adapter adapter ""
+    build_tool adapter "sigs.k8s.io/prometheus-adapter@$ADAPTER_VERSION" \
+        sigs.k8s.io/prometheus-adapter/cmd/adapter ""
 }
 
 # Print a directory with the InferencePool and Gateway API CRDs (from their Go modules).
@@ -188,20 +200,25 @@ cmd_build() {
     log "binaries ready in $CACHE ($((SECONDS - t0)) s)"
 }
 
-# The endpoint picker, Jaeger and prometheus-adapter (or the ones named: epp jaeger adapter).
+# The endpoint picker, Jaeger and prometheus-adapter (or the ones named: epp jaeger adapter);
+# prints NAME=BIN_FOLDER for each.
 cmd_build_tools() {
     local t part parts=("$@")
     [ $# -gt 0 ] || parts=(epp jaeger adapter)
     for part in "${parts[@]}"; do
+        tool_dir "$part" >/dev/null
         t=$SECONDS
         "build_$part"
         log "$part: $((SECONDS - t)) s"
+        echo "$part=$(tool_dir "$part")/bin"
     done
 }
 
 
 STATE="${MSTAR_CLUSTER_DIR:-$HOME/.cache/mstar/cluster}"
 KWOK_READY_DELAY_MS="${MSTAR_KWOK_READY_DELAY_MS:-5000}" # a pod's not-ready spell after start
+# How long the HPA keeps a higher recommendation before scaling down (Kubernetes' default: 5m).
+HPA_DOWNSCALE_WINDOW="${MSTAR_HPA_DOWNSCALE_WINDOW:-15s}"
 KUBE_BIN="$CACHE/kubernetes-$K8S_VERSION/bin"
 
 # Free loopback ports, one per argument, written as NAME=port lines.
@@ -465,7 +482,8 @@ cmd_up() {
         --bind-address=127.0.0.1 --secure-port="$KCM_PORT" --leader-elect=false \
         --use-service-account-credentials=true \
         --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
-        --controllers='*' --horizontal-pod-autoscaler-sync-period=5s
+        --controllers='*' --horizontal-pod-autoscaler-sync-period=5s \
+        --horizontal-pod-autoscaler-downscale-stabilization="$HPA_DOWNSCALE_WINDOW"
     start scheduler "$KUBE_BIN/kube-scheduler" \
         --kubeconfig="$STATE/scheduler.kubeconfig" \
         --authentication-kubeconfig="$STATE/scheduler.kubeconfig" \
@@ -493,6 +511,7 @@ start_apiserver() {
         --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
         --bind-address=127.0.0.1 --secure-port="$APISERVER_PORT" --advertise-address=127.0.0.1 \
         --endpoint-reconciler-type=none --service-cluster-ip-range=10.96.0.0/16 \
+        --enable-aggregator-routing=true \
         --authorization-mode=Node,RBAC --allow-privileged=true \
         --client-ca-file="$pki/ca.crt" \
         --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \

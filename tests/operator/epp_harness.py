@@ -12,50 +12,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from built_tools import Process, free_port
 from prometheus_client.parser import text_string_to_metric_families
-from real_cluster import CLUSTER_SH, ROOT
+from real_cluster import ROOT
 
 from mstar.operator.spec import ENGINE_PORT
 
 EPP_VERSION = "v1.5.0"  # scripts/cluster.sh EPP_VERSION: the Inference Extension release
-
-
-def tools_dir() -> Path:
-    """Build (or find cached) the picker and the ext-proc gateway client; their bin folder."""
-    proc = subprocess.run(
-        ["bash", str(CLUSTER_SH), "build-tools", "epp"],
-        capture_output=True, text=True, timeout=3600,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"cluster.sh build-tools epp failed:\n{proc.stderr[-4000:]}")
-    cache = Path(os.environ.get("MSTAR_K8S_CACHE", Path.home() / ".cache/mstar/k8s"))
-    return cache / f"epp-{EPP_VERSION}" / "bin"
-
-
-def module_version(binary: Path, module: str) -> str:
-    """The version of `module` compiled into a Go binary (`go version -m`)."""
-    out = subprocess.run(
-        ["go", "version", "-m", str(binary)], capture_output=True, text=True, check=True
-    ).stdout
-    for line in out.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and fields[0] in {"dep", "mod"} and fields[1] == module:
-            return fields[2]
-    raise AssertionError(f"{binary} has no module {module}:\n{out}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -72,48 +41,6 @@ def gauge(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
     values = [v for (n, _), v in samples.items() if n == name]
     assert len(values) == 1, f"{name}: {values}"
     return values[0]
-
-
-class Process:
-    """A child process with its output in a log file; stopped by pid."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        self.argv, self.log_path = argv, log
-        self._log = log.open("w")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-
-
-def wait_until(check: Any, what: str, timeout: float, process: Process | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process is not None and not process.alive():
-            raise AssertionError(f"{what}: the process exited:\n{process.log()[-4000:]}")
-        try:
-            value = check()
-        except (OSError, AssertionError, KeyError):
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            tail = process.log()[-4000:] if process is not None else ""
-            raise AssertionError(f"timed out waiting for {what}\n{tail}")
-        time.sleep(0.2)
 
 
 class Engine(Process):

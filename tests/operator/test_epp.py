@@ -20,17 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from epp_harness import (
-    EPP_VERSION,
-    Engine,
-    Gateway,
-    Picker,
-    gauge,
-    module_version,
-    tools_dir,
-    wait_until,
-)
-from external_tools import require_tool
+from built_tools import module_version, tool_bin, wait_until
+from epp_harness import EPP_VERSION, Engine, Gateway, Picker, gauge
 from live_server import BackgroundLoad
 from real_cluster import CLUSTER_SH, ControlPlane
 from test_cluster import WAIT, apply, load, pods, wait_ready
@@ -74,9 +65,8 @@ def pool(
     tiny_llama_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pool]:
-    require_tool("go")
     cp = control_plane
-    bin_dir = tools_dir()
+    bin_dir = tool_bin("epp")
     epp_bin = bin_dir / "epp"
     version = module_version(epp_bin, "sigs.k8s.io/gateway-api-inference-extension")
     print(f"\nendpoint picker: {epp_bin} (gateway-api-inference-extension {version})")
