@@ -505,6 +505,8 @@ cmd_up() {
     cmd_env
 }
 
+# Aggregated APIs (custom.metrics.k8s.io) are reached at their Service's endpoints: no kube-proxy
+# routes ClusterIPs here. The front-proxy flags give them the caller's identity.
 start_apiserver() {
     local pki="$STATE/pki"
     start apiserver "$KUBE_BIN/kube-apiserver" \
