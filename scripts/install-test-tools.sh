@@ -89,6 +89,11 @@ if ! on_path kubernetes-validate; then
     missing kubernetes-validate "the strict manifest validation will skip (pip install -e .[test])"
 fi
 
+# ip (iproute2): tests/operator/test_hpa.py runs prometheus-adapter in a network namespace.
+if ! on_path ip; then
+    { apt_install iproute2 && on_path ip; } || missing "ip (iproute2)" "the HPA test will skip"
+fi
+
 # --- container image tools (issue 12: scripts/build-images.sh, tests/operator/test_images.py) ---
 # podman + runc build and run the images (crun fails on hosts with cgroups hybrid mode), buildah
 # backs podman build, mmdebstrap makes the base rootfs, shellcheck lints the build script.
