@@ -2,6 +2,8 @@
 # A local Kubernetes control plane for the operator's tests and the README walkthrough.
 #
 #   scripts/cluster.sh build   build the pinned binaries once into ~/.cache/mstar/k8s (Go modules)
+#   scripts/cluster.sh build-tools [epp|jaeger|adapter]...   build the endpoint picker, Jaeger and
+#                              prometheus-adapter the observability tests run (same cache)
 #   scripts/cluster.sh up      build if needed, then start etcd, kube-apiserver, controller-manager,
 #                              scheduler and kwok (two fake nodes, one with nvidia.com/gpu) on loopback
 #   scripts/cluster.sh env     print `export KUBECONFIG=...` for the running cluster
@@ -11,6 +13,7 @@
 #
 # Environment: MSTAR_CLUSTER_DIR (state, certs, logs; default ~/.cache/mstar/cluster),
 # MSTAR_K8S_CACHE (binaries), MSTAR_KWOK_READY_DELAY_MS (a pod's not-Ready spell, default 5000),
+# MSTAR_HPA_DOWNSCALE_WINDOW (the HPA's scale-down stabilization, default 15s, not 5m),
 # GOMODCACHE / GOCACHE (default under ~/.cache/mstar/go), MSTAR_BUILD_NICE (default 10).
 #
 # Why from source: no container runtime or registry serves kind/k3s here, and the Go module proxy
@@ -22,8 +25,13 @@ K8S_VERSION=v1.37.2
 KWOK_VERSION=v0.8.0
 GIE_VERSION=v1.5.0          # Gateway API Inference Extension: the InferencePool CRDs
 GATEWAY_API_VERSION=v1.5.0  # Gateway API: HTTPRoute and friends
+# The programs around mstar that its tests run for real (built by `build-tools`):
+EPP_VERSION="$GIE_VERSION"  # the Inference Extension's endpoint picker, cmd/epp of the same module
+JAEGER_VERSION=v1.75.0      # newer tags are not served at this module path
+ADAPTER_VERSION=v0.12.0     # prometheus-adapter; v0.13.0 and @latest are refused by the proxy
 
 CACHE="${MSTAR_K8S_CACHE:-$HOME/.cache/mstar/k8s}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export GOMODCACHE="${GOMODCACHE:-$HOME/.cache/mstar/go/mod}"
 export GOCACHE="${GOCACHE:-$HOME/.cache/mstar/go/build}"
 export GOFLAGS="${GOFLAGS:--buildvcs=false} -trimpath"
@@ -110,6 +118,54 @@ build_kwok() {
     rm -rf "$out/stages" && cp -r "$dir/kustomize/stage" "$out/stages" && chmod -R u+w "$out/stages"
 }
 
+# The cache folder of each tool `build-tools` builds (its binaries in bin/).
+tool_dir() {
+    case "$1" in
+        epp) echo "$CACHE/epp-$EPP_VERSION" ;;
+        jaeger) echo "$CACHE/jaeger-$JAEGER_VERSION" ;;
+        adapter) echo "$CACHE/prometheus-adapter-$ADAPTER_VERSION" ;;
+        *) die "no tool $1 (epp, jaeger, adapter)" ;;
+    esac
+}
+
+# $1 tool, $2 module@version, $3 package of the command, $4 ldflags: `go get -tool` in a
+# throwaway module, then build bin/$1. (`go install X@v` is refused for modules whose go.mod
+# has replace directives, as the EPP's does.)
+build_tool() {
+    local out src
+    out="$(tool_dir "$1")"
+    [ -x "$out/bin/$1" ] && return 0
+    log "building $1 ($2)"
+    src="$out/src"
+    new_module "$src"
+    (cd "$src" && go get -tool "$3@${2#*@}" \
+        && $NICE go build -ldflags "-s -w $4" -o "$out/bin/$1" "$3")
+}
+
+build_epp() {
+    local out gw="$ROOT/tests/operator/extproc_gateway/main.go"
+    out="$(tool_dir epp)"
+    build_tool epp "sigs.k8s.io/gateway-api-inference-extension@$EPP_VERSION" \
+        sigs.k8s.io/gateway-api-inference-extension/cmd/epp \
+        "-X sigs.k8s.io/gateway-api-inference-extension/version.BuildRef=$EPP_VERSION"
+    # The tests' gateway side of ext-proc, built against the picker's own envoy and grpc modules.
+    if ! cmp -s "$gw" "$out/src/extproc_gateway/main.go" || [ ! -x "$out/bin/extproc-gateway" ]; then
+        mkdir -p "$out/src/extproc_gateway" && cp "$gw" "$out/src/extproc_gateway/main.go"
+        (cd "$out/src" && go mod tidy && $NICE go build -ldflags "-s -w" \
+            -o "$out/bin/extproc-gateway" ./extproc_gateway)
+    fi
+}
+
+build_jaeger() {
+    build_tool jaeger "github.com/jaegertracing/jaeger@$JAEGER_VERSION" \
+        github.com/jaegertracing/jaeger/cmd/jaeger ""
+}
+
+build_adapter() {
+    build_tool adapter "sigs.k8s.io/prometheus-adapter@$ADAPTER_VERSION" \
+        sigs.k8s.io/prometheus-adapter/cmd/adapter ""
+}
+
 # Print a directory with the InferencePool and Gateway API CRDs (from their Go modules).
 cmd_crds() {
     local out="$CACHE/crds-gie-$GIE_VERSION-gateway-$GATEWAY_API_VERSION" gie gw
@@ -144,9 +200,25 @@ cmd_build() {
     log "binaries ready in $CACHE ($((SECONDS - t0)) s)"
 }
 
+# The endpoint picker, Jaeger and prometheus-adapter (or the ones named: epp jaeger adapter);
+# prints NAME=BIN_FOLDER for each.
+cmd_build_tools() {
+    local t part parts=("$@")
+    [ $# -gt 0 ] || parts=(epp jaeger adapter)
+    for part in "${parts[@]}"; do
+        tool_dir "$part" >/dev/null
+        t=$SECONDS
+        "build_$part"
+        log "$part: $((SECONDS - t)) s"
+        echo "$part=$(tool_dir "$part")/bin"
+    done
+}
+
 
 STATE="${MSTAR_CLUSTER_DIR:-$HOME/.cache/mstar/cluster}"
 KWOK_READY_DELAY_MS="${MSTAR_KWOK_READY_DELAY_MS:-5000}" # a pod's not-ready spell after start
+# How long the HPA keeps a higher recommendation before scaling down (Kubernetes' default: 5m).
+HPA_DOWNSCALE_WINDOW="${MSTAR_HPA_DOWNSCALE_WINDOW:-15s}"
 KUBE_BIN="$CACHE/kubernetes-$K8S_VERSION/bin"
 
 # Free loopback ports, one per argument, written as NAME=port lines.
@@ -410,7 +482,8 @@ cmd_up() {
         --bind-address=127.0.0.1 --secure-port="$KCM_PORT" --leader-elect=false \
         --use-service-account-credentials=true \
         --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
-        --controllers='*' --horizontal-pod-autoscaler-sync-period=5s
+        --controllers='*' --horizontal-pod-autoscaler-sync-period=5s \
+        --horizontal-pod-autoscaler-downscale-stabilization="$HPA_DOWNSCALE_WINDOW"
     start scheduler "$KUBE_BIN/kube-scheduler" \
         --kubeconfig="$STATE/scheduler.kubeconfig" \
         --authentication-kubeconfig="$STATE/scheduler.kubeconfig" \
@@ -432,12 +505,15 @@ cmd_up() {
     cmd_env
 }
 
+# Aggregated APIs (custom.metrics.k8s.io) are reached at their Service's endpoints: no kube-proxy
+# routes ClusterIPs here. The front-proxy flags give them the caller's identity.
 start_apiserver() {
     local pki="$STATE/pki"
     start apiserver "$KUBE_BIN/kube-apiserver" \
         --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
         --bind-address=127.0.0.1 --secure-port="$APISERVER_PORT" --advertise-address=127.0.0.1 \
         --endpoint-reconciler-type=none --service-cluster-ip-range=10.96.0.0/16 \
+        --enable-aggregator-routing=true \
         --authorization-mode=Node,RBAC --allow-privileged=true \
         --client-ca-file="$pki/ca.crt" \
         --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
@@ -492,6 +568,7 @@ cmd_env() {
 
 case "${1:-}" in
     build) cmd_build ;;
+    build-tools) shift; cmd_build_tools "$@" ;;
     crds) cmd_crds ;;
     up) cmd_up ;;
     down) cmd_down ;;

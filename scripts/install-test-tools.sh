@@ -89,6 +89,11 @@ if ! on_path kubernetes-validate; then
     missing kubernetes-validate "the strict manifest validation will skip (pip install -e .[test])"
 fi
 
+# ip (iproute2): tests/operator/test_hpa.py runs prometheus-adapter in a network namespace.
+if ! on_path ip; then
+    { apt_install iproute2 && on_path ip; } || missing "ip (iproute2)" "the HPA test will skip"
+fi
+
 # --- container image tools (issue 12: scripts/build-images.sh, tests/operator/test_images.py) ---
 # podman + runc build and run the images (crun fails on hosts with cgroups hybrid mode), buildah
 # backs podman build, mmdebstrap makes the base rootfs, shellcheck lints the build script.
@@ -105,6 +110,14 @@ done
 if ! bash "$(dirname "$0")/cluster.sh" build; then
     missing "the local control plane (scripts/cluster.sh build; needs Go)" \
         "the operator's end-to-end tests will fail"
+fi
+
+# The endpoint picker, Jaeger and prometheus-adapter the observability tests run for real
+# (tests/operator/test_epp.py, ...): the same cache (cold: EPP ~3 min, Jaeger ~7 min, adapter
+# ~3 min on 2 cores; cached: seconds).
+if ! bash "$(dirname "$0")/cluster.sh" build-tools; then
+    missing "the endpoint picker, Jaeger, prometheus-adapter (scripts/cluster.sh build-tools)" \
+        "the endpoint picker, trace and autoscaling tests will fail"
 fi
 
 if [ -n "$failed" ]; then

@@ -18,6 +18,7 @@ from external_tools import require_tool
 from live_server import BackgroundLoad, LiveServer, make_engine
 from op_harness import ROOT
 
+from mstar.engine.server.telemetry import CURRENT_GENAI_NAMES
 from tests.prometheus_helper import query, run_prometheus, wait_for_series
 
 DASHBOARDS = sorted((ROOT / "charts" / "mstar" / "dashboards").glob("*.json"))
@@ -106,6 +107,10 @@ def test_dashboards_use_only_exported_metrics_and_cover_the_brief() -> None:
         if p["type"] == "text"
     ]
     assert any("${jaeger_url}/trace/${trace_id}" in t for t in texts), "no Jaeger trace link"
+    # The span attributes the trace panel names are the ones the server emits.
+    trace_text = " ".join(t for t in texts if "${jaeger_url}" in t)
+    for name in CURRENT_GENAI_NAMES.values():
+        assert name in trace_text, name
 
 
 def dashboard_load(url: str) -> BackgroundLoad:

@@ -1,4 +1,5 @@
-"""Fixtures for the server tests: a tiny chat model, a shared live server, greedy references."""
+"""Fixtures for the server tests: a tiny chat model, a shared live server, greedy references,
+one real Jaeger per session."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jaeger import Jaeger
 from live_server import CHAT_TEMPLATE, LiveServer, make_engine
 
 from mstar.engine.sampling_params import SamplingParams
@@ -43,3 +45,15 @@ def reference(tiny_chat_dir: Path) -> Any:
         return list(engine.generate([prompt], params)[0])
 
     return run
+
+
+@pytest.fixture(scope="session")
+def jaeger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jaeger]:
+    """The real Jaeger (in-memory, OTLP/HTTP on loopback); tests tell theirs apart by service."""
+    process = Jaeger(tmp_path_factory.mktemp("jaeger"))
+    try:
+        process.wait_ready()
+        print(f"\nJaeger {process.version} ({process.binary}); OTLP/HTTP at {process.otlp_url}")
+        yield process
+    finally:
+        process.stop()

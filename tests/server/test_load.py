@@ -13,13 +13,12 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from jaeger import Jaeger, log_fields, tag
 from live_server import LiveServer, make_engine
 
 from mstar.engine.server.sse import parse_events
 from mstar.engine.server.state import STATE
 from mstar.engine.server.telemetry import REQUEST_SPAN_NAME, Telemetry
-
-from .otlp_receiver import OTLPReceiver, log_fields, tag
 
 GREEDY_EXTRA = {"ignore_eos": True}
 ENGINE_EVENTS = ("admit_refused", "evicted", "offloaded", "reloaded", "recomputed")
@@ -87,58 +86,62 @@ def test_32_concurrent_streams_are_correct_and_separate(server: LiveServer, refe
     server.wait_metric("mstar:num_requests_running", 0.0)
 
 
-def test_tiny_kv_pool_traces_refusals_and_evictions(tiny_chat_dir: Path, reference: Any) -> None:
+def test_tiny_kv_pool_traces_refusals_and_evictions(
+    tiny_chat_dir: Path, reference: Any, jaeger: Jaeger
+) -> None:
     """12 pages of 4 tokens for 8 requests needing ~6 pages each: refusals, offloads, reloads."""
-    with OTLPReceiver() as receiver:
-        telemetry = Telemetry(
-            service_name="mstar-tiny-pool", endpoint=receiver.base_url + "/v1/traces"
-        )
-        engine = make_engine(tiny_chat_dir, num_pages=12, max_num_seqs=8)
-        with LiveServer(engine, telemetry=telemetry) as live:
-            prompts = [prompt_for(i) for i in range(8)]
-            texts = run_streams(live.url, prompts, 20)
-            # Offloaded and reloaded KV gives exactly the tokens an uncontended run gives.
-            for prompt, text in zip(prompts, texts, strict=True):
-                assert ids_of(text) == reference(prompt, 20)
-            # One more, continuing a caller's trace.
-            status, _ = asyncio.run(_post_traced(live.url, prompt_for(8), TRACEPARENT))
-            assert status == 200
-            live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
-            live.wait_metric("mstar:host_kv_usage_perc", 0.0)
-            assert live.app[STATE].telemetry.force_flush()
-            traces = receiver.wait_for("mstar-tiny-pool", lambda t: len(t) == 9)
-            continued = [t for t in traces if t["traceID"] == PARENT_TRACE]
-            assert len(continued) == 1
-            root = next(s for s in continued[0]["spans"] if s["operationName"] == REQUEST_SPAN_NAME)
-            assert root["references"][0]["spanID"] == PARENT_SPAN
+    telemetry = Telemetry(service_name="mstar-tiny-pool", endpoint=jaeger.otlp_url + "/v1/traces")
+    engine = make_engine(tiny_chat_dir, num_pages=12, max_num_seqs=8)
+    with LiveServer(engine, telemetry=telemetry) as live:
+        prompts = [prompt_for(i) for i in range(8)]
+        texts = run_streams(live.url, prompts, 20)
+        # Offloaded and reloaded KV gives exactly the tokens an uncontended run gives.
+        for prompt, text in zip(prompts, texts, strict=True):
+            assert ids_of(text) == reference(prompt, 20)
+        # One more, continuing a caller's trace.
+        status, _ = asyncio.run(_post_traced(live.url, prompt_for(8), TRACEPARENT))
+        assert status == 200
+        live.wait_metric("mstar:kv_cache_usage_perc", 0.0)
+        live.wait_metric("mstar:host_kv_usage_perc", 0.0)
+        assert live.app[STATE].telemetry.force_flush()
+        traces = jaeger.wait_for("mstar-tiny-pool", lambda t: len(t) == 9)
+        continued = [t for t in traces if t["traceID"] == PARENT_TRACE]
+        assert len(continued) == 1
+        root = next(s for s in continued[0]["spans"] if s["operationName"] == REQUEST_SPAN_NAME)
+        assert root["references"][0]["spanID"] == PARENT_SPAN
 
-            counts = dict.fromkeys(ENGINE_EVENTS, 0)
-            for trace in traces:
-                spans = trace["spans"]
-                roots = [s for s in spans if s["operationName"] == REQUEST_SPAN_NAME]
-                assert len(roots) == 1
-                root = roots[0]
-                assert tag(root, "span.kind") == "server"
-                assert tag(root, "gen_ai.request.model") == "tiny"
-                assert tag(root, "gen_ai.usage.completion_tokens") == 20
-                assert tag(root, "gen_ai.usage.prompt_tokens") == 3
-                assert tag(root, "gen_ai.latency.time_to_first_token") > 0
-                children = {s["operationName"] for s in spans if s is not root}
-                assert children == {"queue", "prefill", "decode"}
-                for log in root["logs"]:
-                    fields = log_fields(log)
-                    counts[fields["event"]] += fields["mstar.count"]
-                    if fields["event"] == "admit_refused":
-                        assert fields["reason"] in ("AllocationFailed", "RequestOffloading")
-                        assert fields["resource"] == "kv"
-                        if fields["reason"] == "AllocationFailed":
-                            assert fields["pages_short"] > 0 and fields["label"]
-            assert counts["admit_refused"] > 0 and counts["evicted"] > 0
-            assert counts["evicted"] == counts["offloaded"] + counts["recomputed"]
-            # Every span event is one count in /metrics, and the other way round.
-            assert admit_failures(live) == counts["admit_refused"]
-            for event, metric in EVENT_METRIC.items():
-                assert live.metric(metric) == counts[event], event
+        counts = dict.fromkeys(ENGINE_EVENTS, 0)
+        for trace in traces:
+            spans = trace["spans"]
+            roots = [s for s in spans if s["operationName"] == REQUEST_SPAN_NAME]
+            assert len(roots) == 1
+            root = roots[0]
+            assert tag(root, "span.kind") == "server"
+            assert tag(root, "gen_ai.request.model") == "tiny"
+            assert tag(root, "gen_ai.usage.completion_tokens") == 20
+            assert tag(root, "gen_ai.usage.output_tokens") == 20
+            assert tag(root, "gen_ai.usage.prompt_tokens") == tag(root, "gen_ai.usage.input_tokens")
+            assert tag(root, "gen_ai.usage.input_tokens") == 3
+            assert tag(root, "gen_ai.provider.name") == "mstar"
+            assert tag(root, "gen_ai.response.id").startswith("cmpl-")
+            assert tag(root, "gen_ai.latency.time_to_first_token") > 0
+            children = {s["operationName"] for s in spans if s is not root}
+            assert children == {"queue", "prefill", "decode"}
+            for log in root["logs"]:
+                fields = log_fields(log)
+                counts[fields["event"]] += fields["mstar.count"]
+                if fields["event"] == "admit_refused":
+                    assert fields["reason"] in ("AllocationFailed", "RequestOffloading")
+                    assert fields["resource"] == "kv"
+                    assert fields["label"]  # the refusing stream, RequestOffloading's too
+                    if fields["reason"] == "AllocationFailed":
+                        assert fields["pages_short"] > 0
+        assert counts["admit_refused"] > 0 and counts["evicted"] > 0
+        assert counts["evicted"] == counts["offloaded"] + counts["recomputed"]
+        # Every span event is one count in /metrics, and the other way round.
+        assert admit_failures(live) == counts["admit_refused"]
+        for event, metric in EVENT_METRIC.items():
+            assert live.metric(metric) == counts[event], event
 
 
 PARENT_TRACE = "0af7651916cd43dd8448eb211c80319c"

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.engine.outputs import EngineEvent, RequestOutput
-from mstar.engine.server.metrics import ServerMetrics
+from mstar.engine.server.metrics import CacheConfig, ServerMetrics
 
 # Exactly the names the Grafana dashboards query.
 CONTRACT = {
@@ -65,6 +65,14 @@ def test_contract_names_exposed_with_model_label() -> None:
     assert names >= CONTRACT
     assert all(dict(labels).get("model_name") == "tiny" for _, labels in samples(m))
     assert m.render()[1].startswith("text/plain; version=0.0.4")
+
+
+def test_cache_config_info_names_the_kv_shape_as_vllm_does() -> None:
+    """The picker's cacheInfoSpec reads block_size / num_gpu_blocks labels of an info gauge."""
+    m = ServerMetrics("tiny", CacheConfig(block_size=16, num_gpu_blocks=900, num_cpu_blocks=40))
+    info = {"block_size": "16", "num_gpu_blocks": "900", "num_cpu_blocks": "40"}
+    assert value(m, "mstar:cache_config_info", **info) == 1
+    assert "mstar:cache_config_info" not in {name for name, _ in samples(ServerMetrics("tiny"))}
 
 
 def test_outputs_events_and_stats_move_the_counters() -> None:

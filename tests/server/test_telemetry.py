@@ -1,33 +1,21 @@
-"""Telemetry through the real OTLP/HTTP exporter into the test receiver, queried as Jaeger."""
+"""Telemetry through the real OTLP/HTTP exporter into the real Jaeger, read back through its
+query API; the SDK's in-memory exporter where only the SDK side matters."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
+from jaeger import Jaeger, log_fields, tag
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan
 
 from mstar.engine.outputs import EngineEvent
 from mstar.engine.server.telemetry import REQUEST_SPAN_NAME, Telemetry, traces_endpoint
-
-from .otlp_receiver import OTLPReceiver, log_fields, tag
-
-
-@pytest.fixture
-def receiver() -> Iterator[OTLPReceiver]:
-    with OTLPReceiver() as r:
-        yield r
-
-
-def _jaeger(receiver: OTLPReceiver, service: str) -> list[dict[str, Any]]:
-    url = f"{receiver.base_url}/api/traces?service={service}"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        data: list[dict[str, Any]] = json.loads(resp.read())["data"]
-    return data
 
 
 def _lifecycle(tel: Telemetry, headers: dict[str, str]) -> None:
@@ -37,6 +25,7 @@ def _lifecycle(tel: Telemetry, headers: dict[str, str]) -> None:
         headers,
         {
             "gen_ai.request.id": "cmpl-1",
+            "gen_ai.system": "mstar",
             "gen_ai.request.model": "tiny",
             "gen_ai.request.max_tokens": 8,
             "gen_ai.request.temperature": 0.0,
@@ -76,8 +65,8 @@ def _lifecycle(tel: Telemetry, headers: dict[str, str]) -> None:
     )
 
 
-def test_spans_events_and_attributes_reach_the_receiver(receiver: OTLPReceiver) -> None:
-    tel = Telemetry(service_name="svc-a", endpoint=receiver.base_url + "/v1/traces")
+def test_spans_events_and_attributes_reach_jaeger(jaeger: Jaeger) -> None:
+    tel = Telemetry(service_name="tel-lifecycle", endpoint=jaeger.otlp_url + "/v1/traces")
     assert tel.enabled
     parent_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     parent_span = "00f067aa0ba902b7"
@@ -85,9 +74,7 @@ def test_spans_events_and_attributes_reach_the_receiver(receiver: OTLPReceiver) 
     assert tel.force_flush()
     tel.shutdown()
 
-    traces = _jaeger(receiver, "svc-a")
-    assert len(traces) == 1
-    trace = traces[0]
+    (trace,) = jaeger.wait_for("tel-lifecycle", lambda t: len(t) == 1)
     assert trace["traceID"] == parent_trace  # continued the incoming traceparent
     spans = {s["operationName"]: s for s in trace["spans"]}
     assert set(spans) == {REQUEST_SPAN_NAME, "queue", "prefill", "decode"}
@@ -98,7 +85,13 @@ def test_spans_events_and_attributes_reach_the_receiver(receiver: OTLPReceiver) 
     assert tag(root, "span.kind") == "server"
     assert tag(root, "gen_ai.request.model") == "tiny"
     assert tag(root, "gen_ai.request.max_tokens") == 8
-    assert tag(root, "gen_ai.usage.completion_tokens") == 8
+    # OpenTelemetry's current GenAI names, each beside vLLM's older one.
+    assert (
+        tag(root, "gen_ai.usage.completion_tokens") == tag(root, "gen_ai.usage.output_tokens") == 8
+    )
+    assert tag(root, "gen_ai.usage.prompt_tokens") == tag(root, "gen_ai.usage.input_tokens") == 5
+    assert tag(root, "gen_ai.request.id") == tag(root, "gen_ai.response.id") == "cmpl-1"
+    assert tag(root, "gen_ai.system") == tag(root, "gen_ai.provider.name") == "mstar"
     assert tag(root, "gen_ai.latency.time_to_first_token") == pytest.approx(0.05)
     assert root["duration"] == pytest.approx(100_000, abs=2)  # microseconds, from engine times
 
@@ -122,20 +115,26 @@ def test_spans_events_and_attributes_reach_the_receiver(receiver: OTLPReceiver) 
     assert spans["decode"]["duration"] == pytest.approx(40_000, abs=2)
 
 
-def test_two_apps_export_to_their_own_receivers(receiver: OTLPReceiver) -> None:
-    with OTLPReceiver() as other:
-        a = Telemetry(service_name="svc-a", endpoint=receiver.base_url + "/v1/traces")
-        b = Telemetry(service_name="svc-b", endpoint=other.base_url + "/v1/traces")
-        _lifecycle(a, {})
-        _lifecycle(b, {})
-        a.shutdown()
-        b.shutdown()
-        assert [len(_jaeger(receiver, s)) for s in ("svc-a", "svc-b")] == [1, 0]
-        assert [len(_jaeger(other, s)) for s in ("svc-a", "svc-b")] == [0, 1]
-        # Without a parent, each request starts its own trace: the root has no reference.
-        spans = _jaeger(receiver, "svc-a")[0]["spans"]
-        roots = [s for s in spans if s["operationName"] == REQUEST_SPAN_NAME]
-        assert len(roots) == 1 and roots[0]["references"] == []
+def test_two_apps_export_to_their_own_exporters(jaeger: Jaeger) -> None:
+    """Each app owns its TracerProvider: one exports to Jaeger, the other to memory."""
+    memory = InMemorySpanExporter()
+    a = Telemetry(service_name="tel-app-a", endpoint=jaeger.otlp_url + "/v1/traces")
+    b = Telemetry(service_name="tel-app-b", exporter=memory, batch=False)
+    _lifecycle(a, {})
+    _lifecycle(b, {})
+    a.shutdown()
+    (trace,) = jaeger.wait_for("tel-app-a", lambda t: len(t) == 1)
+    assert "tel-app-b" not in jaeger.services()
+    assert {p["serviceName"] for p in trace["processes"].values()} == {"tel-app-a"}
+    spans = memory.get_finished_spans()
+    assert sorted(s.name for s in spans) == sorted(
+        [REQUEST_SPAN_NAME, "queue", "prefill", "decode"]
+    )
+    assert {s.resource.attributes["service.name"] for s in spans} == {"tel-app-b"}
+    # Without a parent, each request starts its own trace: the root has no reference.
+    roots = [s for s in trace["spans"] if s["operationName"] == REQUEST_SPAN_NAME]
+    assert len(roots) == 1 and roots[0]["references"] == []
+    b.shutdown()
 
 
 def test_env_configuration() -> None:
@@ -157,23 +156,26 @@ def test_env_configuration() -> None:
     ).enabled
 
 
-def test_service_name_from_env(receiver: OTLPReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_service_name_from_env(jaeger: Jaeger, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
     tel = Telemetry.from_env(
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_url, "OTEL_SERVICE_NAME": "from-env"}
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_url, "OTEL_SERVICE_NAME": "tel-from-env"}
     )
     _lifecycle(tel, {})
     tel.shutdown()
-    assert len(_jaeger(receiver, "from-env")) == 1
-    default = Telemetry.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_url})
+    (trace,) = jaeger.wait_for("tel-from-env", lambda t: len(t) == 1)
+    (process,) = trace["processes"].values()
+    assert {"key": "deployment.environment", "type": "string", "value": "test"} in process["tags"]
+    before = len(jaeger.traces("mstar-engine"))
+    default = Telemetry.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_url})
     _lifecycle(default, {})
     default.shutdown()
-    assert len(_jaeger(receiver, "mstar-engine")) == 1
+    jaeger.wait_for("mstar-engine", lambda t: len(t) == before + 1)
 
 
-def test_more_kinds_than_the_limit_merge_across_choices(receiver: OTLPReceiver) -> None:
+def test_more_kinds_than_the_limit_merge_across_choices(jaeger: Jaeger) -> None:
     """n=200 choices, each refused and evicted: per choice that is 400 kinds, over the limit."""
-    tel = Telemetry(service_name="svc-cap", endpoint=receiver.base_url + "/v1/traces")
+    tel = Telemetry(service_name="tel-cap", endpoint=jaeger.otlp_url + "/v1/traces")
     t0 = time.monotonic()
     request = tel.start_request({}, {"gen_ai.request.id": "cmpl-n"}, start=t0)
     for choice in range(200):
@@ -187,7 +189,7 @@ def test_more_kinds_than_the_limit_merge_across_choices(receiver: OTLPReceiver) 
     tel.end_request(request, {}, end=t0 + 1)
     tel.shutdown()
 
-    (trace,) = _jaeger(receiver, "svc-cap")
+    (trace,) = jaeger.wait_for("tel-cap", lambda t: len(t) == 1)
     (root,) = trace["spans"]
     events = [log_fields(log) for log in root["logs"]]
     assert [(e["event"], e["mstar.count"], e["mstar.choices"]) for e in events] == [
@@ -197,4 +199,23 @@ def test_more_kinds_than_the_limit_merge_across_choices(receiver: OTLPReceiver) 
     assert "mstar.choice" not in events[0] and events[0]["pages_short"] == 0  # the first's
     assert tag(root, "mstar.events.capped") is True
     assert tag(root, "mstar.events.total") == 600
-    assert tag(root, "otel.dropped_events_count") == 0
+    (otlp,) = jaeger.otlp_spans(trace["traceID"])
+    assert otlp.get("droppedEventsCount", 0) == 0
+
+
+def test_jaeger_reports_events_the_sdk_dropped(jaeger: Jaeger) -> None:
+    """The control for the checks above: a span over its event limit shows it in Jaeger."""
+    provider = TracerProvider(
+        resource=Resource({"service.name": "tel-control"}), span_limits=SpanLimits(max_events=1)
+    )
+    provider.add_span_processor(
+        SimpleSpanProcessor(OTLPSpanExporter(endpoint=jaeger.otlp_url + "/v1/traces"))
+    )
+    span = provider.get_tracer("control").start_span("over-the-limit")
+    for name in ("a", "b", "c"):
+        span.add_event(name)
+    span.end()
+    provider.shutdown()
+    (trace,) = jaeger.wait_for("tel-control", lambda t: len(t) == 1)
+    (otlp,) = jaeger.otlp_spans(trace["traceID"])
+    assert otlp["droppedEventsCount"] == 2

@@ -268,8 +268,10 @@ class Scheduler:
             "resource": resource,
             "message": reason.message if reason is not None else "",
         }
+        if isinstance(reason, AllocationFailed | RequestOffloading):
+            attrs["label"] = reason.label  # which stream of the resource refused
         if isinstance(reason, AllocationFailed):
-            attrs.update(pages_short=reason.pages_short, label=reason.label)
+            attrs["pages_short"] = reason.pages_short
         if isinstance(reason, AdmitRuntimeError):
             culprit = blamed
             if getattr(reason, "request_id", None) not in in_batch:

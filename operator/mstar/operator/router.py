@@ -43,7 +43,8 @@ ENGINE_METRICS = {
     "runningRequestsSpec": "mstar:num_requests_running",
     "kvUsageSpec": "mstar:kv_cache_usage_perc",
     "loraSpec": "",  # mstar serves no LoRA adapters
-    "cacheInfoSpec": "",  # the prefix scorer is given the page size instead
+    # vLLM's info-gauge shape: labels block_size (tokens per page) and num_gpu_blocks (pages).
+    "cacheInfoSpec": "mstar:cache_config_info",
 }
 
 
@@ -94,13 +95,17 @@ def epp_config(spec: MStarSpec) -> dict[str, Any]:
             {"type": "kv-cache-utilization-scorer"},
             {
                 "type": "prefix-cache-scorer",
-                # mstar shares whole KV pages between requests with one prefix.
-                "parameters": {"blockSizeTokens": int(spec.engine["pageSize"])},
+                # mstar shares whole KV pages between requests with one prefix. With autoTune
+                # the picker takes the page size and count from mstar:cache_config_info (its
+                # per-engine prefix index then holds as many blocks as the engine has pages);
+                # blockSizeTokens is the fallback until that is scraped.
+                "parameters": {"autoTune": True, "blockSizeTokens": int(spec.engine["pageSize"])},
             },
             {"type": "max-score-picker"},
             {"type": "single-profile-handler"},
         ],
-        "data": {
+        # `dataLayer` in EPP v1.5.0 (its strict decoder refuses the older `data`).
+        "dataLayer": {
             "sources": [
                 {
                     "pluginRef": "metrics-data-source",
@@ -283,12 +288,13 @@ def build_router(
             "type": "ClusterIP",
             "selector": {"app.kubernetes.io/name": "mstar-epp", INSTANCE_LABEL: name},
             "ports": [
-                {  # ext-proc is gRPC: HTTP/2 without TLS inside the cluster
+                {  # ext-proc is gRPC over TLS: the picker's self-signed certificate by
+                    # default (--secure-serving), which gateways accept unverified; no
+                    # `kubernetes.io/h2c` here, or a gateway would speak cleartext to it.
                     "name": "grpc-ext-proc",
                     "port": EPP_GRPC_PORT,
                     "targetPort": "grpc",
                     "protocol": "TCP",
-                    "appProtocol": "kubernetes.io/h2c",
                 },
                 {
                     "name": "metrics",

@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.server.async_engine import AsyncEngine, EngineLike, EngineThread
 from mstar.engine.server.lifecycle import generate
-from mstar.engine.server.metrics import ServerMetrics
+from mstar.engine.server.metrics import CacheConfig, ServerMetrics
 from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import APIError
 from mstar.engine.server.state import STATE, ServerState
@@ -177,7 +177,9 @@ def build_app(
     `EngineThread`); without one the steps get a thread of their own.
     """
     _one_line_payload_errors()
-    metrics_ = ServerMetrics(engine.model_name)
+    kv = engine.kv
+    cache = CacheConfig(kv.page_size, kv.num_pages, kv.config.host_offload_pages)
+    metrics_ = ServerMetrics(engine.model_name, cache)
     state = ServerState(
         engine=engine,
         async_engine=AsyncEngine(engine, observer=metrics_, thread=engine_thread),

@@ -43,6 +43,7 @@ class EngineLike(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: Any
+    kv: Any  # the KV cache resource: its page size and counts are exported once, at start
 
     def add_request(
         self,

@@ -14,6 +14,7 @@ ended it. prometheus_client is thread-safe, so both sides write directly.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -46,6 +47,17 @@ EVENT_COUNTERS = {
 }
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache's fixed shape, exported as `mstar:cache_config_info` (vLLM's
+    `vllm:cache_config_info` labels): the endpoint picker reads the page size and count from it
+    to size its prefix-affinity blocks."""
+
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int = 0
+
+
 class StatsLike(Protocol):
     kv_usage: float
     host_kv_usage: float
@@ -74,7 +86,7 @@ def event_resource(attributes: dict[str, Any]) -> str:
 class ServerMetrics:
     """Every metric of one app; `render()` is the `/metrics` body."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache: CacheConfig | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -127,6 +139,14 @@ class ServerMetrics:
             "Arrival to first scheduled.",
             REQUEST_LATENCY_BUCKETS,
         )
+        if cache is not None:
+            info = {k: str(v) for k, v in asdict(cache).items()}
+            Gauge(
+                "mstar:cache_config_info",
+                "KV cache shape: tokens per page (block_size) and pages per tier.",
+                [*labels, *info],
+                registry=reg,
+            ).labels(model_name, *info.values()).set(1)
         # Materialise the unlabelled-by-outcome series at zero so dashboards see them at once.
         for metric in (self.running, self.waiting, self.kv_usage, self.host_kv_usage):
             metric.labels(model_name)

@@ -51,6 +51,17 @@ IDENTITY_ATTRIBUTES = ("reason", "resource", "mode")
 CHOICE_ATTRIBUTES = ("mstar.choice", "mstar.engine_request_id")
 
 
+#: OpenTelemetry's current GenAI names for attributes the server sets under vLLM's older ones.
+#: Both go on the span: vLLM's trace views and saved Jaeger queries read the old names,
+#: current OpenTelemetry tooling the new.
+CURRENT_GENAI_NAMES = {
+    "gen_ai.usage.prompt_tokens": "gen_ai.usage.input_tokens",
+    "gen_ai.usage.completion_tokens": "gen_ai.usage.output_tokens",
+    "gen_ai.request.id": "gen_ai.response.id",
+    "gen_ai.system": "gen_ai.provider.name",
+}
+
+
 def traces_endpoint(env: Mapping[str, str]) -> str | None:
     """The OTLP/HTTP traces URL the standard variables name, or None (tracing off)."""
     url = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
@@ -69,6 +80,15 @@ def _attr_value(value: Any) -> Any:
     if isinstance(value, Sequence) and all(isinstance(v, str | bool | int | float) for v in value):
         return list(value)
     return str(value)
+
+
+def span_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """Attributes as the span takes them (None dropped), each old GenAI name with its new one."""
+    out = {k: _attr_value(v) for k, v in attributes.items() if v is not None}
+    for old, new in CURRENT_GENAI_NAMES.items():
+        if old in out:
+            out.setdefault(new, out[old])
+    return out
 
 
 @dataclass
@@ -206,7 +226,7 @@ class Telemetry:
             REQUEST_SPAN_NAME,
             context=parent,
             kind=SpanKind.SERVER,
-            attributes={k: _attr_value(v) for k, v in attributes.items() if v is not None},
+            attributes=span_attributes(attributes),
             start_time=self.epoch_ns(start),
         )
         return RequestTrace(span)
@@ -265,7 +285,7 @@ class Telemetry:
         span = request_trace.span
         if span.is_recording():
             request_trace.write_events()
-        span.set_attributes({k: _attr_value(v) for k, v in attributes.items() if v is not None})
+        span.set_attributes(span_attributes(attributes))
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=self.epoch_ns(end))

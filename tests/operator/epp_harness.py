@@ -1,0 +1,134 @@
+"""The real endpoint picker around a routed MStarDeployment on the local control plane.
+
+The operator renders the picker's Deployment and ConfigMap; kwok runs no containers, so the
+tests run what those pods would run, as processes: the picker binary (`scripts/cluster.sh
+build-tools epp`) with the Deployment's args and the ConfigMap's file, authenticated as the
+picker's ServiceAccount, and one real `mstar-engine serve` per engine pod, listening on the
+pod's kwok address (127.1.0.0/24). `Gateway` drives the picker's ext-proc stream as Envoy does
+(tests/operator/extproc_gateway) and sends each request on to the engine it picked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from built_tools import Process, free_port
+from prometheus_client.parser import text_string_to_metric_families
+from real_cluster import ROOT
+
+from mstar.operator.spec import ENGINE_PORT
+
+EPP_VERSION = "v1.5.0"  # scripts/cluster.sh EPP_VERSION: the Inference Extension release
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def gauge(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
+    values = [v for (n, _), v in samples.items() if n == name]
+    assert len(values) == 1, f"{name}: {values}"
+    return values[0]
+
+
+class Engine(Process):
+    """`mstar-engine serve` with an engine pod's container args, on the pod's address."""
+
+    def __init__(self, pod: dict[str, Any], model_dir: Path, logs: Path) -> None:
+        (container,) = pod["spec"]["containers"]
+        assert container["command"] == ["mstar-engine", "serve"], container["command"]
+        self.name = pod["metadata"]["name"]
+        self.ip = pod["status"]["podIP"]
+        assert self.ip.startswith("127."), f"{self.name}: a pod address outside loopback"
+        self.url = f"http://{self.ip}:{ENGINE_PORT}"
+        # The pod's args, then what differs here: a tiny model on this machine's CPU, the
+        # pod's own address. argparse keeps the last of a repeated flag.
+        argv = [sys.executable, "-m", "mstar.engine.cli", "serve", *container["args"]]
+        argv += [str(model_dir), "--host", self.ip, "--port", str(ENGINE_PORT)]
+        argv += ["--dtype", "float32", "--host-offload-gb", "0.01", "--log-level", "warning"]
+        # One torch thread each: two engines, the control plane and the picker share 2 cores.
+        env = {**os.environ, **repo_env(), "OMP_NUM_THREADS": "1"}
+        super().__init__(argv, logs / f"{self.name}.log", env)
+
+    def ready(self) -> bool:
+        with urllib.request.urlopen(self.url + "/ready", timeout=2) as resp:
+            return resp.status == 200
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return scrape(self.url + "/metrics")
+
+
+class Picker(Process):
+    """The EPP binary with its Deployment's args (ports made free) and ConfigMap's file."""
+
+    def __init__(
+        self, binary: Path, deployment: dict[str, Any], config: str, kubeconfig: Path, logs: Path
+    ) -> None:
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        args = list(container["args"])
+        self.ports = {}
+        for flag in ("--grpc-port", "--grpc-health-port", "--metrics-port"):
+            self.ports[flag] = free_port()
+            args[args.index(flag) + 1] = str(self.ports[flag])
+        # The ConfigMap is mounted at the path the args name; here it is a file in logs/.
+        config_flag = args.index("--config-file") + 1
+        config_path = logs / Path(args[config_flag]).name
+        config_path.write_text(config)
+        self.config_path_in_pod = args[config_flag]
+        args[config_flag] = str(config_path)
+        self.args = args
+        meta = deployment["metadata"]
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "NAMESPACE": meta["namespace"],
+            "POD_NAME": f"{meta['name']}-local",
+            "OTEL_SDK_DISABLED": "true",  # its trace exporter would dial a collector
+        }
+        super().__init__([str(binary), *args], logs / "epp.log", env)
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.ports['--grpc-port']}"
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return scrape(f"http://127.0.0.1:{self.ports['--metrics-port']}/metrics")
+
+
+class Gateway:
+    """Requests through the picker's ext-proc stream, then to the picked engine."""
+
+    def __init__(self, binary: Path, picker: Picker) -> None:
+        self.binary, self.picker = binary, picker
+
+    def send(self, bodies: list[dict[str, Any]], path: str = "/v1/completions") -> list[Any]:
+        lines = "".join(json.dumps({"path": path, "body": b}) + "\n" for b in bodies)
+        proc = subprocess.run(
+            [str(self.binary), "--epp", self.picker.grpc_address],
+            input=lines, capture_output=True, text=True, timeout=60 + 30 * len(bodies),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        results = [json.loads(line) for line in proc.stdout.splitlines()]
+        assert len(results) == len(bodies), proc.stdout
+        for r in results:
+            assert not r.get("error"), f"{r}\npicker log:\n{self.picker.log()[-3000:]}"
+        return results
+
+
+def repo_env() -> dict[str, str]:
+    """PYTHONPATH for child engines: this checkout's packages, as the tests import them."""
+    paths = [ROOT / "engine_pod", ROOT / "operator", ROOT / "kernels", ROOT]
+    old = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join([*map(str, paths), *([old] if old else [])])}
