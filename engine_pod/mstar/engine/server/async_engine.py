@@ -43,6 +43,8 @@ class EngineLike(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: Any
+    #: `GrammarBackend`: the server compiles requests' grammars with it (a 400 when bad).
+    grammar: Any
 
     def add_request(
         self,
