@@ -13,6 +13,10 @@ counters give the mask cost: fill time on the worker thread (overlapped with the
 and the time `sample` waited for and applied the masks (on the step's critical path).
 
     python3 bench/bench_structured.py [--concurrency 8] [--num-prompts 32] [--new-tokens 192]
+
+A peer with the same schema: start it (e.g. `python bench/peers/vllm_cli.py serve FOLDER
+--port 8123 --served-model-name bench-model`, in the vLLM venv) and pass
+`--url http://127.0.0.1:8123 --model bench-model`; then no grammar counters are printed.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ async def one(
 
 async def run_mode(url: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {
+        "model": args.model,
         "messages": [{"role": "user", "content": PROMPT}],
         "max_completion_tokens": args.new_tokens,
         "temperature": 0.7,
@@ -156,10 +161,18 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--modes", nargs="+", default=["free", "json_schema", "free", "json_schema"])
+    ap.add_argument("--url", help="an already running OpenAI-compatible server (a peer)")
+    ap.add_argument("--model", help="the model name to send (the peer's served name)")
     args = ap.parse_args()
-    engine, url = start_server()
-    sampler: Any = engine.runner.resources[SAMPLER]
+    sampler: Any = None
+    url = args.url
+    if url is None:
+        engine, url = start_server()
+        sampler = engine.runner.resources[SAMPLER]
     for mode in args.modes:
+        if sampler is None:
+            print(json.dumps(_rounded(asyncio.run(run_mode(url, mode, args)))))
+            continue
         before = sampler.mask_stats
         row = asyncio.run(run_mode(url, mode, args))
         after = sampler.mask_stats
@@ -169,7 +182,11 @@ def main() -> None:
             row["fill_us_per_row"] = 1e6 * (after["fill_seconds"] - before["fill_seconds"]) / rows
             wait = after["wait_apply_seconds"] - before["wait_apply_seconds"]
             row["wait_apply_ms_per_step"] = 1000 * wait / steps
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+        print(json.dumps(_rounded(row)))
+
+
+def _rounded(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
 if __name__ == "__main__":

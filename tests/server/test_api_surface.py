@@ -6,6 +6,7 @@ parameter, refused before the engine holds anything."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -63,6 +64,12 @@ def test_min_tokens_holds_eos_back(live: LiveServer) -> None:
     held = _complete(live, logit_bias={"2": 100}, extra_body={"min_tokens": 5})
     # five tokens that are not EOS, then EOS (still the most likely) ends it
     assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 6)
+    # stop strings, too, are looked for only from the min_tokens-th token on
+    early = _complete(live, logit_bias={"9": 100}, stop="w9")
+    assert (early.choices[0].text.strip(), early.usage.completion_tokens) == ("", 1)
+    late = _complete(live, logit_bias={"9": 100}, stop="w9", extra_body={"min_tokens": 3})
+    assert late.choices[0].text.split() == ["w9", "w9"] and late.usage.completion_tokens == 3
+    assert late.choices[0].finish_reason == "stop"
 
 
 def test_stop_token_ids_end_the_choice(live: LiveServer) -> None:
@@ -230,6 +237,9 @@ def test_bad_input_is_a_400_naming_the_parameter(
     live: LiveServer, case: str, extra: dict[str, Any], param: str
 ) -> None:
     engine = live.engine
+    deadline = time.monotonic() + 30
+    while engine.scheduler.requests and time.monotonic() < deadline:
+        time.sleep(0.01)  # an earlier test's stop-string abort may still be on its way
     free = engine.stats().num_free_pages
     body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], **extra}
     status, answer = _post(live, "/v1/chat/completions", body)

@@ -201,6 +201,7 @@ class Generation:
                     detok,
                     stop=req.stop,
                     include_stop_str_in_output=req.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 )
                 self.subs.append(SubRequest(rid, index, p_idx, ids, choice))
                 new.append(

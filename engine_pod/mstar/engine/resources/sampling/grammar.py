@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["GrammarBackend", "InvalidGrammar", "MaskResult", "MaskWorker", "apply_masks"]
 
 
+#: Compiled grammars kept (LRU): bounded, since every distinct schema a client sends is one.
+CACHE_LIMIT_BYTES = 256 << 20
+
+
 class InvalidGrammar(ValueError):
     """A grammar the backend cannot compile (bad or unsupported schema)."""
 
@@ -104,7 +108,9 @@ class GrammarBackend:
                 import xgrammar
 
                 info = _tokenizer_info(*self._source)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES
+                )
             return self._compiler
 
     def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:

@@ -431,6 +431,10 @@ class SamplerResource(Resource):
             rows = torch.tensor(pen_slots, dtype=torch.int64, device=dev)
             self._counts.index_put_((rows, toks), torch.ones((), device=dev), accumulate=True)
 
+    def cleanup(self) -> None:
+        if self._masks is not None:
+            self._masks.close()
+
     @property
     def mask_stats(self) -> dict[str, float]:
         """Grammar cost since start (the benchmark reads it): seconds filling masks on the
