@@ -105,7 +105,9 @@ WEATHER_TOOLS: list[dict[str, Any]] = [
             "description": "The local time in a time zone.",
             "parameters": {
                 "type": "object",
-                "properties": {"zone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
+                "properties": {
+                    "zone": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$"}
+                },
                 "required": ["zone"],
                 "additionalProperties": False,
             },

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from mstar.engine.sampling_params import GrammarSpec
@@ -150,11 +151,12 @@ def _xgrammar_message(exc: Exception) -> str:
 
 @dataclass
 class MaskResult:
-    """One step's grammar masks: `allowed[k]` is row `rows[k]`'s vocab mask; `ended` maps a
-    row whose grammar cannot go on to the reason ("stop": complete, "grammar_dead_end")."""
+    """One step's grammar masks: `forbidden[k]` is row `rows[k]`'s `[vocab]` bool mask of
+    tokens its grammar does not allow; `ended` maps a row whose grammar cannot go on to the
+    reason ("stop": complete, "grammar_dead_end": no token allowed)."""
 
     rows: list[int]
-    allowed: torch.Tensor | None
+    forbidden: torch.Tensor | None
     ended: dict[int, str]
 
 
@@ -164,8 +166,9 @@ class MaskWorker:
     def __init__(self, backend: GrammarBackend) -> None:
         self.backend = backend
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mstar-grammar")
-        self._bitmask = backend.new_bitmask(8)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        #: Allocated on first use: xgrammar (and transformers, which it imports) load only
+        #: once a request asks for a grammar.
+        self._bitmask: torch.Tensor | None = None
         #: Seconds spent filling masks (on the worker), and the number of rows filled.
         self.fill_seconds = 0.0
         self.rows_filled = 0
@@ -176,8 +179,8 @@ class MaskWorker:
 
     def _fill(self, rows: list[tuple[int, xgrammar.GrammarMatcher | None]]) -> MaskResult:
         start = time.perf_counter()
-        if self._bitmask.shape[0] < len(rows):
-            self._bitmask = self.backend.new_bitmask(2 * len(rows))
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = self.backend.new_bitmask(max(8, 2 * len(rows)))
         ended: dict[int, str] = {}
         live: list[int] = []
         bitmask = self._bitmask
@@ -190,33 +193,39 @@ class MaskWorker:
                 matcher.fill_next_token_bitmask(bitmask, k)
                 live.append(k)
         n = len(rows)
-        allowed = self._unpack(bitmask[:n]) if live else None
-        if allowed is not None:
+        forbidden = self._forbidden(bitmask[:n]) if live else None
+        if forbidden is not None:
             for k in live:
-                if not bool(allowed[k].any()):
+                if bool(forbidden[k].all()):
                     ended[rows[k][0]] = "grammar_dead_end"
             for k, (row, _) in enumerate(rows):
                 if row in ended:  # its token is dropped: leave the row drawable
-                    allowed[k] = True
+                    forbidden[k] = False
         self.fill_seconds += time.perf_counter() - start
         self.rows_filled += n
-        return MaskResult([row for row, _ in rows], allowed, ended)
+        return MaskResult([row for row, _ in rows], forbidden, ended)
 
-    def _unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """int32 words -> `[rows, vocab]` bool (bit i of word w is token 32 w + i)."""
-        bits = (bitmask.unsqueeze(-1) >> self._shifts) & 1
-        return bits.view(bitmask.shape[0], -1)[:, : self.backend.vocab_size].bool()
+    def _forbidden(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """int32 words -> `[rows, vocab]` bool, True where the bit is 0 (bit i of word w is
+        token 32 w + i). numpy, not torch: a torch op here would start a second OpenMP team
+        beside the forward's (measured on 2 busy cores: 21 ms for 8 rows against 0.04 ms)."""
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        np.logical_not(bits, out=bits)
+        return torch.from_numpy(bits.view(np.bool_))[:, : self.backend.vocab_size]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def apply_masks(logits: torch.Tensor, result: MaskResult) -> None:
-    """Forbid, in place, every token a row's grammar does not allow (rows that ended: none)."""
-    if result.allowed is None:
+    """Set, in place, every token a row's grammar does not allow to -inf."""
+    if result.forbidden is None:
+        return
+    forbidden = result.forbidden.to(logits.device)[:, : logits.shape[1]]
+    if result.rows == list(range(logits.shape[0])):  # every row has a grammar: no gather
+        logits.masked_fill_(forbidden, float("-inf"))
         return
     index = torch.tensor(result.rows, dtype=torch.int64, device=logits.device)
-    forbidden = ~result.allowed.to(logits.device)
     rows = logits.index_select(0, index)
-    rows.masked_fill_(forbidden[:, : logits.shape[1]], float("-inf"))
+    rows.masked_fill_(forbidden, float("-inf"))
     logits.index_copy_(0, index, rows)
