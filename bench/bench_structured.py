@@ -172,6 +172,7 @@ def main() -> None:
     if url is None:
         engine, url = start_server()
         sampler = engine.runner.resources[SAMPLER]
+        print(json.dumps({"server": "mstar", "dtype": str(engine.dtype)}), flush=True)
     for _ in range(args.rounds):
         before = sampler.mask_stats if sampler is not None else None
         row = asyncio.run(run_mode(url, "json_schema", args.max_tokens, args))

@@ -191,6 +191,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("unknown format type", {"response_format": {"type": "yaml"}}, "response_format"),
     (
+        "strict not a boolean",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+        "response_format",
+    ),
+    (
         "tool without a name",
         {"tools": [{"type": "function", "function": {"parameters": {}}}]},
         "tools",

@@ -100,6 +100,8 @@ def test_forced_grammars_describe_the_declared_calls() -> None:
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
         ({"tools": "get_weather"}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": {}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},

@@ -353,8 +353,10 @@ def _parse_response_format(body: dict[str, Any]) -> GrammarSpec | None:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict | bool):
         raise bad_request("'response_format.json_schema.schema' must be a JSON schema", param)
-    strict = _get_bool(spec, "strict", False)
-    return GrammarSpec.json_schema(schema, strict)  # type: ignore[arg-type]
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean", param)
+    return GrammarSpec.json_schema(schema, bool(strict))  # type: ignore[arg-type]
 
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:

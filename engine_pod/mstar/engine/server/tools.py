@@ -129,11 +129,13 @@ def _parse_tool(i: int, tool: Any) -> Tool:
         raise InvalidParameter(
             "tools", f"'{where}.function.name' is required: 1-64 letters, digits, '_', '.' or '-'"
         )
-    description = fn.get("description") or ""
+    description = fn.get("description")
+    if description is None:
+        description = ""
     if not isinstance(description, str):
         raise InvalidParameter("tools", f"'{where}.function.description' must be a string")
     params = fn.get("parameters")
-    if params is None:
+    if params is None:  # OpenAI: a function without parameters takes none
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise InvalidParameter(
