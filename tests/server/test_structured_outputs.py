@@ -181,6 +181,16 @@ def test_completions_json_schema_and_json_object(smol: LiveServer) -> None:
     )
     assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].text), PERSON)
+    # with ignore_eos the grammar still ends the output: EOS completes it, then nothing is left
+    done = client.completions.create(
+        model=MODEL,
+        prompt="A person, as JSON: ",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"response_format": _fmt("person"), "ignore_eos": True},
+    )
+    assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens < 200
+    jsonschema.validate(json.loads(done.choices[0].text), PERSON)
     text = "".join(
         c.choices[0].text
         for c in client.completions.create(

@@ -47,6 +47,18 @@ def _number(name: str) -> Schema:
     return schema
 
 
+def _object(required: list[str], properties: Schema) -> Schema:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+def _function(required: list[str], properties: Schema) -> Schema:
+    """`{"type": "function", "function": {...}}`: a tool, a tool call, a named tool choice."""
+    return _object(
+        ["type", "function"],
+        {"type": {"const": "function"}, "function": _object(required, properties)},
+    )
+
+
 TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 #: Fields both generation routes take (`protocol._common`).
@@ -73,27 +85,21 @@ COMMON: dict[str, Schema] = {
     "response_format": _nullable(
         {
             "anyOf": [
-                {
-                    "type": "object",
-                    "required": ["type"],
-                    "properties": {"type": {"enum": ["text", "json_object"]}},
-                },
-                {
-                    "type": "object",
-                    "required": ["type", "json_schema"],
-                    "properties": {
+                _object(["type"], {"type": {"enum": ["text", "json_object"]}}),
+                _object(
+                    ["type", "json_schema"],
+                    {
                         "type": {"const": "json_schema"},
-                        "json_schema": {
-                            "type": "object",
-                            "required": ["name"],
-                            "properties": {
+                        "json_schema": _object(
+                            ["name"],
+                            {
                                 "name": {"type": "string", "minLength": 1},
                                 "schema": {"type": ["object", "boolean"]},
                                 "strict": _flag(),
                             },
-                        },
+                        ),
                     },
-                },
+                ),
             ]
         }
     ),
@@ -138,52 +144,25 @@ MESSAGE: Schema = {
     },
 }
 
-TOOL_CALL: Schema = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name", "arguments"],
-            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
-        },
-    },
-}
+TOOL_CALL: Schema = _function(
+    ["name", "arguments"], {"name": {"type": "string"}, "arguments": {"type": "string"}}
+)
+TOOL_CALL["required"] = ["function"]  # `id` and `type` may be left out
+TOOL_CALL["properties"]["id"] = {"type": "string"}
 
-TOOL: Schema = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
-                "description": {"type": ["string", "null"]},
-                "parameters": {"type": ["object", "null"]},
-            },
-        },
+TOOL: Schema = _function(
+    ["name"],
+    {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": {"type": ["string", "null"]},
+        "parameters": {"type": ["object", "null"]},
     },
-}
+)
 
 TOOL_CHOICE: Schema = {
     "anyOf": [
         {"enum": ["none", "auto", "required"]},
-        {
-            "type": "object",
-            "required": ["type", "function"],
-            "properties": {
-                "type": {"const": "function"},
-                "function": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {"name": {"type": "string", "minLength": 1}},
-                },
-            },
-        },
+        _function(["name"], {"name": {"type": "string", "minLength": 1}}),
         {"type": "null"},
     ]
 }
