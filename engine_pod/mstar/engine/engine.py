@@ -30,6 +30,7 @@ from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
+from mstar.engine.resources.sampling.grammar import GrammarBackend, InvalidGrammar
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
 from mstar.kernels import cpu_kernels, resolve_attention_backend, select_attention_backend
@@ -97,7 +98,17 @@ class LLMEngine:
                 enable_prefix_cache=config.enable_prefix_caching,
             )
         )
-        sampler = SamplerResource(model_config.vocab_size, device=device, seed=config.seed)
+        #: Compiles structured-output grammars for this vocabulary (the server validates with it).
+        self.grammar = GrammarBackend(
+            tokenizer.backend.to_str(), model_config.vocab_size, tokenizer.eos_token_ids
+        )
+        sampler = SamplerResource(
+            model_config.vocab_size,
+            device=device,
+            seed=config.seed,
+            grammar=self.grammar,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )
         attention = AttentionResource(
             self.kv.cache,
             select_attention_backend(device, config.attention_backend, dtype),
@@ -187,6 +198,13 @@ class LLMEngine:
         over = context_overflow(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         if over is not None:
             raise InvalidParameter(*over)
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids < {vocab}")
+        if params.grammar is not None:
+            try:
+                self.grammar.compile(params.grammar)  # cached: the server compiled it already
+            except InvalidGrammar as exc:
+                raise InvalidParameter("grammar", f"invalid grammar: {exc}") from exc
         req = Request(
             request_id,
             list(prompt_token_ids),

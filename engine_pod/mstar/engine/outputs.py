@@ -18,6 +18,10 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # the caller aborted it (disconnect, shutdown)
     ERROR = "error"  # see `RequestOutput.error`
+    #: The request's grammar allows no token (e.g. the vocabulary cannot spell what it needs).
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+    #: The server's only: the choice's output was parsed into tool calls.
+    TOOL_CALLS = "tool_calls"
 
 
 class ErrorKind(enum.StrEnum):

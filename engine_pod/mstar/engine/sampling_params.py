@@ -7,8 +7,9 @@ ranges (`FLOAT_BOUNDS`, which the OpenAPI document reads) and the context-length
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 
 class InvalidParameter(ValueError):
@@ -43,6 +44,28 @@ FLOAT_BOUNDS: dict[str, Bound] = {
     "presence_penalty": Bound(-2.0, 2.0),
     "frequency_penalty": Bound(-2.0, 2.0),
 }
+
+
+#: `logit_bias` values are clamped to this range by OpenAI; here they are checked against it.
+LOGIT_BIAS_BOUND = 100.0
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to: any JSON object, or a JSON schema (as text).
+
+    Plain data: the sampler compiles it (`resources.sampling.grammar.GrammarBackend`).
+    """
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = ""
+    #: Objects take no properties the schema does not name (OpenAI's `strict`); otherwise
+    #: JSON-schema semantics (`additionalProperties` defaults to allowed).
+    strict: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
+        return cls("json_schema", json.dumps(schema), strict)
 
 
 def context_overflow(
@@ -86,6 +109,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    #: EOS and `stop_token_ids` are not drawn before this many output tokens (a grammar, which
+    #: decides itself where the output ends, is not overridden).
+    min_tokens: int = 0
+    #: token id -> added to its logit, before any filter (OpenAI's `logit_bias`).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    #: Constrains the output to a grammar (structured outputs, forced tool calls).
+    grammar: GrammarSpec | None = None
 
     MAX_LOGPROBS = 20
 
@@ -118,3 +148,12 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidParameter("min_tokens", "min_tokens must be between 0 and max_tokens")
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise InvalidParameter("logit_bias", f"logit_bias key {token} is not a token id")
+            if not -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND:
+                raise InvalidParameter(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {bias}"
+                )

@@ -404,6 +404,9 @@ class Scheduler:
         logprobs = sampled.logprobs
         for j, i in enumerate(batch.sample_rows):
             req = batch.rows[i].request
+            if j in sampled.ended:  # its grammar ended: the drawn token is not an output
+                self._finish(req, FinishReason(sampled.ended[j]))
+                continue
             token = sampled.token_ids[j]
             req.append_token(token, None if logprobs is None else logprobs[j])
             if req.first_token_time is None:

@@ -25,6 +25,7 @@ from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import APIError
 from mstar.engine.server.state import STATE, ServerState
 from mstar.engine.server.telemetry import Telemetry
+from mstar.engine.server.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,8 @@ def build_app(
     app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
 
     async def on_startup(app: web.Application) -> None:
         app[STATE].async_engine.start()

@@ -44,6 +44,8 @@ class EngineLike(Protocol):
     max_model_len: int
     tokenizer: Any
     kv: Any  # the KV cache resource: its page size and counts are exported once, at start
+    #: `GrammarBackend`: the server compiles requests' grammars with it (a 400 when bad).
+    grammar: Any
 
     def add_request(
         self,

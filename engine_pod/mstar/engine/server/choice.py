@@ -54,8 +54,11 @@ class ChoiceState:
         *,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
+        """``min_tokens``: stop strings are not looked for before this many tokens (vLLM's)."""
         self.index = index
+        self._min_tokens = min_tokens
         self._detok = detokenizer
         self._stop = list(stop or [])
         self._include_stop = include_stop_str_in_output
@@ -83,7 +86,7 @@ class ChoiceState:
             self._pending.append(piece)
             before = len(self.text)
             self.text += piece.text
-            if self._stop and self._check_stop(before):
+            if self._stop and self.num_tokens >= self._min_tokens and self._check_stop(before):
                 return True
         return False
 

@@ -22,7 +22,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
 from mstar.engine.outputs import ErrorKind, RequestError, RequestOutput
-from mstar.engine.sampling_params import InvalidParameter
+from mstar.engine.resources.sampling.grammar import InvalidGrammar
+from mstar.engine.sampling_params import GrammarSpec, InvalidParameter
 from mstar.engine.server.async_engine import EngineDeadError, NewRequest
 from mstar.engine.server.choice import ChoiceState, Delta
 from mstar.engine.server.protocol import (
@@ -36,6 +37,7 @@ from mstar.engine.server.protocol import (
 )
 from mstar.engine.server.responses import complete, stream
 from mstar.engine.server.state import RETRY_AFTER_SECONDS, STATE
+from mstar.engine.server.tools import template_messages
 
 
 async def read_json_body(request: web.Request) -> Any:
@@ -146,13 +148,29 @@ class Generation:
             self.trace.span.set_attribute("gen_ai.request.seed", p.seed)
         if req.max_tokens is not None:
             self.trace.span.set_attribute("gen_ai.request.max_tokens", req.max_tokens)
+        if p.grammar is not None:
+            await self._check_grammar(req, p.grammar)
         return req
+
+    async def _check_grammar(self, req: GenerationRequest, grammar: GrammarSpec) -> None:
+        """Compile the request's grammar off the event loop: a bad schema is a 400 before the
+        engine sees the request (which then finds it in the compiler's cache)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.state.engine.grammar.compile, grammar)
+        except InvalidGrammar as exc:
+            param = "tools" if req.tools is not None and req.tools.forced else "response_format"
+            raise bad_request(f"Invalid '{param}' schema: {exc}", param) from exc
 
     def tokenize(self, req: GenerationRequest) -> list[list[int]]:
         tok = self.state.engine.tokenizer
         if req.kind == "chat":
+            tools = req.tools.prompt_tools() if req.tools is not None else None
+            native = "tools" in (getattr(tok, "chat_template", None) or "")
+            messages = template_messages(req.messages, tools, native)
+            extra = {"tools": tools} if tools and native else {}
             try:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
             except Exception as exc:  # template errors are the conversation's fault
                 raise bad_request(f"Cannot apply the chat template: {exc}", "messages") from exc
             self.prompt_texts = [text]
@@ -183,6 +201,7 @@ class Generation:
                     detok,
                     stop=req.stop,
                     include_stop_str_in_output=req.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 )
                 self.subs.append(SubRequest(rid, index, p_idx, ids, choice))
                 new.append(
@@ -340,13 +359,20 @@ class Generation:
             seen[s.prompt_index] = len(s.prompt_ids)
         return sum(seen.values())
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = self.prompt_tokens()
         completion = sum(s.choice.num_tokens for s in self.subs)
+        cached: dict[int, int] = {}
+        for s in self.subs:  # the most of a prompt's tokens that any of its choices found cached
+            if s.last is not None:
+                cached[s.prompt_index] = max(
+                    cached.get(s.prompt_index, 0), s.last.num_cached_tokens
+                )
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
 
 

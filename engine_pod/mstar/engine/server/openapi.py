@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mstar.engine.outputs import FinishReason
-from mstar.engine.sampling_params import FLOAT_BOUNDS
+from mstar.engine.sampling_params import FLOAT_BOUNDS, LOGIT_BIAS_BOUND
 from mstar.engine.server.protocol import CHAT_ROLES, INT64, MAX_N, MAX_TOP_LOGPROBS
 
 JSON = "application/json"
@@ -47,6 +47,18 @@ def _number(name: str) -> Schema:
     return schema
 
 
+def _object(required: list[str], properties: Schema) -> Schema:
+    return {"type": "object", "required": required, "properties": properties}
+
+
+def _function(required: list[str], properties: Schema) -> Schema:
+    """`{"type": "function", "function": {...}}`: a tool, a tool call, a named tool choice."""
+    return _object(
+        ["type", "function"],
+        {"type": {"const": "function"}, "function": _object(required, properties)},
+    )
+
+
 TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 #: Fields both generation routes take (`protocol._common`).
@@ -58,7 +70,39 @@ COMMON: dict[str, Schema] = {
         {"type": "object", "properties": {"include_usage": _flag()}},
     ),
     "best_of": _int(1),
-    "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -LOGIT_BIAS_BOUND,
+                "maximum": LOGIT_BIAS_BOUND,
+            },
+        }
+    ),
+    "min_tokens": _int(0),
+    "response_format": _nullable(
+        {
+            "anyOf": [
+                _object(["type"], {"type": {"enum": ["text", "json_object"]}}),
+                _object(
+                    ["type", "json_schema"],
+                    {
+                        "type": {"const": "json_schema"},
+                        "json_schema": _object(
+                            ["name"],
+                            {
+                                "name": {"type": "string", "minLength": 1},
+                                "schema": {"type": ["object", "boolean"]},
+                                "strict": _flag(),
+                            },
+                        ),
+                    },
+                ),
+            ]
+        }
+    ),
     "seed": _int(-INT64, INT64 - 1),
     "temperature": _number("temperature"),
     "top_p": _number("top_p"),
@@ -95,7 +139,32 @@ MESSAGE: Schema = {
             "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}]
         },
         "name": {"type": ["string", "null"]},
+        "tool_call_id": {"type": ["string", "null"]},
+        "tool_calls": _nullable({"type": "array", "items": _ref("ToolCall")}),
     },
+}
+
+TOOL_CALL: Schema = _function(
+    ["name", "arguments"], {"name": {"type": "string"}, "arguments": {"type": "string"}}
+)
+TOOL_CALL["required"] = ["function"]  # `id` and `type` may be left out
+TOOL_CALL["properties"]["id"] = {"type": "string"}
+
+TOOL: Schema = _function(
+    ["name"],
+    {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": {"type": ["string", "null"]},
+        "parameters": {"type": ["object", "null"]},
+    },
+)
+
+TOOL_CHOICE: Schema = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        _function(["name"], {"name": {"type": "string", "minLength": 1}}),
+        {"type": "null"},
+    ]
 }
 
 
@@ -158,10 +227,9 @@ def chat_request(max_model_len: int) -> Schema:
             "max_completion_tokens": _int(1, max_model_len - 1),
             "logprobs": _flag(),
             "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
-            "tools": _nullable({"type": "array", "maxItems": 0}),
-            "response_format": _nullable(
-                {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}
-            ),
+            "tools": _nullable({"type": "array", "items": TOOL}),
+            "tool_choice": TOOL_CHOICE,
+            "parallel_tool_calls": _flag(),
         },
         "messages",
         top_rule,
@@ -174,8 +242,15 @@ USAGE: Schema = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
     "properties": {
-        k: {"type": "integer", "minimum": 0}
-        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        **{
+            k: {"type": "integer", "minimum": 0}
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        },
+        "prompt_tokens_details": {
+            "type": "object",
+            "required": ["cached_tokens"],
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+        },
     },
 }
 
@@ -252,7 +327,11 @@ COMPLETION_RESPONSE = _response("text_completion", "text", {"type": "string"}, C
 ASSISTANT_MESSAGE: Schema = {
     "type": "object",
     "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+    "properties": {
+        "role": {"const": "assistant"},
+        "content": {"type": ["string", "null"]},
+        "tool_calls": {"type": "array", "items": _ref("ToolCall")},
+    },
 }
 CHAT_RESPONSE = _response("chat.completion", "message", ASSISTANT_MESSAGE, CHAT_LOGPROBS)
 
@@ -411,6 +490,7 @@ def openapi_document(model_name: str, max_model_len: int, guarded: bool) -> dict
                 "ChatCompletionResponse": CHAT_RESPONSE,
                 "Models": MODELS,
                 "Status": STATUS,
+                "ToolCall": TOOL_CALL,
                 "Error": ERROR,
             }
         },

@@ -15,7 +15,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
+from mstar.engine.sampling_params import (
+    GrammarSpec,
+    InvalidParameter,
+    SamplingParams,
+    context_overflow,
+)
+from mstar.engine.server.tools import ToolConfig, parse_tools
 
 #: Most choices one request may ask for (OpenAI's own limit for chat).
 MAX_N = 128
@@ -238,6 +244,8 @@ class GenerationRequest:
     top_logprobs: int | None = None
     echo: bool = False
     params: SamplingParams = field(default_factory=SamplingParams)
+    #: Chat only: the declared tools and how they may be called.
+    tools: ToolConfig | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -258,7 +266,10 @@ class GenerationRequest:
         seed = self.params.seed
         if seed is not None and choice:
             seed = (seed + choice + INT64) % (2 * INT64) - INT64
-        return dataclasses.replace(self.params, max_tokens=max_tokens, seed=seed)
+        try:
+            return dataclasses.replace(self.params, max_tokens=max_tokens, seed=seed)
+        except InvalidParameter as exc:  # e.g. min_tokens past the budget the context leaves
+            raise bad_request(str(exc), exc.param) from exc
 
 
 def resolve_max_tokens(req: GenerationRequest, prompt_len: int, max_model_len: int) -> int:
@@ -296,6 +307,58 @@ def _parse_stop_token_ids(body: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
+def _parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's map of token id (as a JSON key, a string) -> bias in [-100, 100]."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _type_error("logit_bias", "an object", raw)
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        if not key.isdigit() or not key.isascii():
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad_request(f"'logit_bias' values must be numbers, got {value!r}", "logit_bias")
+        bias[int(key)] = float(value) if abs(value) < 1e300 else math.inf  # range: checked next
+    return bias
+
+
+def _parse_response_format(body: dict[str, Any]) -> GrammarSpec | None:
+    """`response_format`: text (no grammar), json_object, or json_schema {name, schema, strict}.
+
+    Compiling the schema (which finds what is wrong with it) is the server's next step."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    param = "response_format"
+    if not isinstance(fmt, dict):
+        raise _type_error(param, "an object", fmt)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind != "json_schema":
+        raise bad_request(
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema'", param
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("'response_format.json_schema' must be an object", param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request("'response_format.json_schema.name' must be a non-empty string", param)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict | bool):
+        raise bad_request("'response_format.json_schema.schema' must be a JSON schema", param)
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean", param)
+    return GrammarSpec.json_schema(schema, bool(strict))  # type: ignore[arg-type]
+
+
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
     """Fields shared by both routes; returns GenerationRequest keyword arguments."""
     model = _get_str(body, "model")
@@ -323,15 +386,18 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
     best_of = _get_int(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' other than 'n' is not supported", "best_of")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad_request("'logit_bias' is not supported", "logit_bias")
-
+    min_tokens = _get_int(body, "min_tokens", 0, 0)
+    assert min_tokens is not None
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(
+            f"'min_tokens' ({min_tokens}) must not exceed the maximum ({max_tokens})", "min_tokens"
+        )
     seed = _get_int(body, "seed", None, -INT64, INT64 - 1)
     top_k = _get_int(body, "top_k", 0, -1)
     assert top_k is not None
     try:
         params = SamplingParams(
-            max_tokens=1,
+            max_tokens=max(1, min_tokens),
             temperature=_get_float(body, "temperature", 1.0),
             top_p=_get_float(body, "top_p", 1.0),
             top_k=top_k,
@@ -342,6 +408,9 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
             frequency_penalty=_get_float(body, "frequency_penalty", 0.0),
             stop_token_ids=_parse_stop_token_ids(body),
             ignore_eos=_get_bool(body, "ignore_eos", False),
+            min_tokens=min_tokens,
+            logit_bias=_parse_logit_bias(body),
+            grammar=_parse_response_format(body),
         )
     except InvalidParameter as exc:
         raise bad_request(str(exc), exc.param) from exc
@@ -415,17 +484,23 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     top = _get_int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-    if body.get("tools") not in (None, []):
-        raise bad_request("'tools' are not supported", "tools")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("only 'response_format' {'type': 'text'} is supported", "response_format")
     req = _with_logprobs(kwargs, (top or 0) if want else None)
-    req.messages = _parse_messages(body.get("messages"))
+    req.messages = parse_messages(body.get("messages"))
+    try:
+        req.tools = parse_tools(body)
+    except InvalidParameter as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    grammar = req.tools.grammar() if req.tools is not None else None
+    if grammar is not None:
+        if req.params.grammar is not None:
+            raise bad_request(
+                "'response_format' cannot be combined with a forced 'tool_choice'", "tool_choice"
+            )
+        req.params = dataclasses.replace(req.params, grammar=grammar)
     return req
 
 
-def _parse_messages(messages: Any) -> list[dict[str, Any]]:
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
     out: list[dict[str, Any]] = []
@@ -455,10 +530,49 @@ def _parse_messages(messages: Any) -> list[dict[str, Any]]:
         else:
             raise bad_request(f"'{where}.content' must be a string or a list", "messages")
         entry: dict[str, Any] = {"role": role, "content": text}
-        name = message.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise bad_request(f"'{where}.name' must be a string", "messages")
-            entry["name"] = name
+        for key in ("name", "tool_call_id"):
+            value = message.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise bad_request(f"'{where}.{key}' must be a string", "messages")
+                entry[key] = value
+        calls = message.get("tool_calls")
+        if calls is not None and calls != []:
+            if role != "assistant":
+                raise bad_request(
+                    f"'{where}.tool_calls' is only for assistant messages", "messages"
+                )
+            entry["tool_calls"] = _parse_message_calls(calls, where)
+        out.append(entry)
+    return out
+
+
+def _parse_message_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier `tool_calls`, kept in OpenAI's shape for the template."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}.tool_calls' must be a list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise bad_request(
+                f"'{where}.tool_calls[{j}]' must be {{'id', 'type': 'function', "
+                "'function': {'name', 'arguments': string}}",
+                "messages",
+            )
+        call_id = call.get("id", f"call_{j}")
+        if not isinstance(call_id, str) or call.get("type", "function") != "function":
+            raise bad_request(
+                f"'{where}.tool_calls[{j}]' needs a string 'id' and 'type': 'function'", "messages"
+            )
+        entry = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": fn["arguments"]},
+        }
         out.append(entry)
     return out

@@ -10,6 +10,7 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 from mstar.engine.server import sse
 from mstar.engine.server.choice import Delta, chat_logprobs, completion_logprobs
 from mstar.engine.server.protocol import APIError, GenerationRequest
+from mstar.engine.server.tools import ToolStream, parse_output
 
 if TYPE_CHECKING:
     from mstar.engine.server.lifecycle import Generation, SubRequest
@@ -42,16 +43,34 @@ def chunk(gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return body
 
 
-def stream_choice(gen: Generation, sub: SubRequest, delta: Delta) -> dict[str, Any]:
+def stream_choices(
+    gen: Generation, sub: SubRequest, delta: Delta, tools: ToolStream | None
+) -> list[dict[str, Any]]:
+    """The streamed choice entries for one delta: one, or with tools one per tool delta."""
     lp = logprobs_body(gen, delta)
-    if gen.kind == "chat":
-        content: dict[str, Any] = {"content": delta.text} if delta.text else {}
-        return {
-            "index": sub.index,
-            "delta": content,
-            "logprobs": lp,
-            "finish_reason": delta.finish_reason,
-        }
+    if gen.kind != "chat":
+        return [_completion_choice(sub, delta, lp)]
+    reason = delta.finish_reason
+    if tools is None:
+        bodies: list[dict[str, Any]] = [{"content": delta.text} if delta.text else {}]
+    else:
+        bodies = tools.feed(delta.text)
+        if reason is not None:
+            last, reason = tools.end(reason)
+            bodies += last
+        if not bodies and reason is None and lp is None:
+            return []  # held back (a tool call may be starting)
+        bodies = bodies or [{}]
+    out = [
+        {"index": sub.index, "delta": body, "logprobs": None, "finish_reason": None}
+        for body in bodies
+    ]
+    out[0]["logprobs"] = lp
+    out[-1]["finish_reason"] = reason  # type: ignore[assignment]
+    return out
+
+
+def _completion_choice(sub: SubRequest, delta: Delta, lp: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "index": sub.index,
         "text": delta.text,
@@ -80,13 +99,15 @@ async def complete(gen: Generation, req: GenerationRequest) -> web.Response:
         if req.top_logprobs is not None:
             lp = _merge_logprobs(logprobs[sub.index], req.kind)
         if req.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = sub.choice.finish_reason
+            if req.tools is not None:
+                message["content"], calls = parse_output(req.tools, text)
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
             choices.append(
-                {
-                    "index": sub.index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                    "finish_reason": sub.choice.finish_reason,
-                }
+                {"index": sub.index, "message": message, "logprobs": lp, "finish_reason": reason}
             )
         else:
             if req.echo:
@@ -131,6 +152,9 @@ def _merge_logprobs(parts: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 async def stream(gen: Generation, req: GenerationRequest) -> web.StreamResponse:
     """Answer server-sent events as choices produce text; usage and [DONE] last."""
     response: web.StreamResponse | None = None
+    tools: dict[int, ToolStream] = {}
+    if req.tools is not None:
+        tools = {s.index: ToolStream(req.tools) for s in gen.subs}
     try:
         while gen.pending():
             deltas = await gen.next_deltas()
@@ -156,7 +180,8 @@ async def stream(gen: Generation, req: GenerationRequest) -> web.StreamResponse:
                 if sub.error is not None and delta.finish_reason is not None:
                     err = APIError(500, sub.error.message, type="internal_server_error")
                     await response.write(sse.encode_event(err.body()))
-                await response.write(sse.encode_event(chunk(gen, [stream_choice(gen, sub, delta)])))
+                for entry in stream_choices(gen, sub, delta, tools.get(sub.index)):
+                    await response.write(sse.encode_event(chunk(gen, [entry])))
         if response is None:  # no output at all (cannot normally happen): still a valid stream
             response = await sse.open_stream(gen.request)
         if req.include_usage:

@@ -9,6 +9,7 @@ committed leaves every request exactly where it was (same seeded draw next time)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.sampling import ops
+from mstar.engine.resources.sampling.grammar import GrammarBackend, MaskWorker, apply_masks
 from mstar.engine.resources.sampling.values import (
     RequestState,
     SampleOutput,
@@ -54,8 +56,19 @@ class SamplerResource(Resource):
         device: torch.device | str = "cpu",
         seed: int = 0,
         initial_capacity: int = 64,
+        *,
+        grammar: GrammarBackend | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
+        """``grammar``: compiles requests' grammars (None: a grammar is refused at ingest);
+        ``eos_token_ids``: what `min_tokens` holds back besides a request's stop ids."""
         self.vocab_size = vocab_size
+        self.grammar = grammar
+        self._masks = MaskWorker(grammar) if grammar is not None else None
+        self._eos = tuple(eos_token_ids)
+        #: Time `sample` spent waiting for and applying grammar masks, and in how many steps.
+        self.grammar_wait_seconds = 0.0
+        self.grammar_steps = 0
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -71,7 +84,7 @@ class SamplerResource(Resource):
         self._vhash: torch.Tensor | None = None
         self._work = torch.empty((0, vocab_size), dtype=torch.float32, device=self.device)
         self._noise = torch.empty((0, vocab_size), dtype=torch.float32, device=self.device)
-        self._pending: tuple[SamplerPlan, torch.Tensor] | None = None
+        self._pending: tuple[SamplerPlan, torch.Tensor, list[int], dict[int, str]] | None = None
         self._staged: _Stage | None = None
         #: Steps whose plan was a promoted pre-plan (tests and the GPU report read it).
         self.promotions = 0
@@ -117,7 +130,7 @@ class SamplerResource(Resource):
                 1.0 if greedy else 0.0,
             )
         )
-        self._reqs[request_id] = RequestState(
+        state = RequestState(
             params=p,
             slot=slot,
             pen_row=pen_row,
@@ -126,6 +139,25 @@ class SamplerResource(Resource):
             logprobs=p.logprobs,
             seed_base=None if p.seed is None else ops.seed_base(p.seed),
         )
+        self._constraints(state)
+        self._reqs[request_id] = state
+
+    def _constraints(self, req: RequestState) -> None:
+        """The grammar matcher, logit bias and `min_tokens` hold-back of a new request."""
+        p, dev = req.params, self.device
+        if p.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("this sampler has no grammar backend")
+            req.matcher = self.grammar.matcher(p.grammar)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=dev)
+            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=dev)
+            req.bias = (ids, values)
+        if p.min_tokens and p.grammar is None:
+            stops = {*p.stop_token_ids, *(() if p.ignore_eos else self._eos)}
+            held = sorted(t for t in stops if t < self.vocab_size)
+            if held:
+                req.min_suppress = torch.tensor(held, dtype=torch.int64, device=dev)
 
     def remove_request(self, request_id: str) -> None:
         req = self._reqs.pop(request_id, None)
@@ -202,7 +234,30 @@ class SamplerResource(Resource):
                 assert req.seed_base is not None
                 keys.append(ops.row_key(req.seed_base, req.num_output))
             plan.seeded_keys = torch.tensor(keys, dtype=torch.int64, device=self.device)
+        self._plan_constraints(plan)
         return plan
+
+    def _plan_constraints(self, plan: SamplerPlan) -> None:
+        """The per-step part of grammars and `min_tokens`: start the masks (they fill while
+        the forward runs; `sample` waits for them) and list the tokens still held back."""
+        plan.masks = None
+        if plan.grammar_rows:
+            assert self._masks is not None
+            rows = []
+            for i in plan.grammar_rows:
+                req = self._reqs[plan.request_ids[i]]
+                rows.append((i, None if req.grammar_broken else req.matcher))
+            plan.masks = self._masks.submit(rows)
+        plan.suppress = None
+        held_rows: list[torch.Tensor] = []
+        held_ids: list[torch.Tensor] = []
+        for i in plan.min_token_rows:
+            req = self._reqs[plan.request_ids[i]]
+            if req.num_output < req.params.min_tokens and req.min_suppress is not None:
+                held_ids.append(req.min_suppress)
+                held_rows.append(torch.full_like(req.min_suppress, i))
+        if held_ids:
+            plan.suppress = (torch.cat(held_rows), torch.cat(held_ids))
 
     # -- pre-planning (the static row gather, one step ahead) ----------------------------------
     def pre_plan(self, step: ResourceStep, ctx: StepContext) -> SamplerPlan:
@@ -233,6 +288,9 @@ class SamplerResource(Resource):
         commit_rows: list[int] = []
         seeded_rows: list[int] = []
         logprob_rows: list[tuple[int, int]] = []
+        grammar_rows: list[int] = []
+        min_token_rows: list[int] = []
+        bias_parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
         any_bits = 0
         n_greedy = 0
         top_k_max = 0
@@ -247,6 +305,12 @@ class SamplerResource(Resource):
                 continue
             if rid in real:
                 commit_rows.append(i)
+                if req.matcher is not None:
+                    grammar_rows.append(i)
+                if req.min_suppress is not None:
+                    min_token_rows.append(i)
+            if req.bias is not None:
+                bias_parts.append((i, req.bias))
             bits = req.features
             any_bits |= bits
             if bits & (_F_TOPP | _F_TOPK) == _F_TOPP:
@@ -294,6 +358,9 @@ class SamplerResource(Resource):
             seeded_index=tuple(seeded_rows),
             any_random=any_random,
             logprob_rows=tuple(logprob_rows),
+            grammar_rows=tuple(grammar_rows),
+            bias_index=_bias_index(bias_parts, dev),
+            min_token_rows=tuple(min_token_rows),
         )
 
     def process_logits(self, plan: SamplerPlan, logits: torch.Tensor) -> torch.Tensor:
@@ -301,7 +368,12 @@ class SamplerResource(Resource):
         return self._process(plan, logits)[0].to(torch.float32, copy=True)
 
     def sample(self, plan: SamplerPlan, logits: torch.Tensor) -> SampleOutput:
-        """Draw one token per row of `logits` `[rows, vocab]`; state moves only at commit."""
+        """Draw one token per row of `logits` `[rows, vocab]`; state moves only at commit.
+
+        Logit bias, `min_tokens` and grammar masks are written into `logits` in place first
+        (logprobs are then those of the constrained distribution, as in vLLM).
+        """
+        ended = self._constrain(plan, logits)
         x, greedy_tok = self._process(plan, logits)
         if plan.all_greedy:
             assert greedy_tok is not None
@@ -312,15 +384,32 @@ class SamplerResource(Resource):
                 assert plan.greedy is not None
                 tokens = torch.where(plan.greedy, greedy_tok, tokens)
         token_list: list[int] = tokens.tolist()
-        self._pending = (plan, tokens)
-        return SampleOutput(token_list, self._logprobs(plan, logits, tokens, token_list), tokens)
+        self._pending = (plan, tokens, token_list, ended)
+        logprobs = self._logprobs(plan, logits, tokens, token_list)
+        return SampleOutput(token_list, logprobs, tokens, ended)
+
+    def _constrain(self, plan: SamplerPlan, logits: torch.Tensor) -> dict[int, str]:
+        """Apply bias, hold-backs and grammar masks in place; the rows whose grammar ended."""
+        if plan.bias_index is not None:
+            rows, ids, values = plan.bias_index
+            logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
+        if plan.suppress is not None:
+            logits.index_put_(plan.suppress, torch.tensor(float("-inf"), dtype=logits.dtype))
+        if plan.masks is None:
+            return {}
+        start = time.perf_counter()
+        masks = plan.masks.result()
+        apply_masks(logits, masks)
+        self.grammar_wait_seconds += time.perf_counter() - start
+        self.grammar_steps += 1
+        return masks.ended
 
     def commit(self, step: ResourceStep, ctx: StepContext) -> None:
         """Record the tokens `sample` drew for this step: counters and penalty counts advance."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        plan, tokens = pending
+        plan, tokens, token_list, ended = pending
         segments = step.segments or ()
         if tuple(seg.request_id for seg in segments) != plan.request_ids:
             raise RuntimeError("sampler commit does not match the step its tokens were drawn for")
@@ -328,9 +417,11 @@ class SamplerResource(Resource):
         pen_batch_rows: list[int] = []
         for i in plan.commit_rows:
             req = self._reqs.get(plan.request_ids[i])
-            if req is None:
+            if req is None or i in ended:  # an ended grammar's row: its token is no output
                 continue
             req.num_output += 1
+            if req.matcher is not None and not req.matcher.accept_token(token_list[i]):
+                req.grammar_broken = True
             if req.pen_row:
                 pen_slots.append(req.pen_row)
                 pen_batch_rows.append(i)
@@ -339,6 +430,22 @@ class SamplerResource(Resource):
             toks = tokens.index_select(0, torch.tensor(pen_batch_rows, device=dev))
             rows = torch.tensor(pen_slots, dtype=torch.int64, device=dev)
             self._counts.index_put_((rows, toks), torch.ones((), device=dev), accumulate=True)
+
+    def cleanup(self) -> None:
+        if self._masks is not None:
+            self._masks.close()
+
+    @property
+    def mask_stats(self) -> dict[str, float]:
+        """Grammar cost since start (the benchmark reads it): seconds filling masks on the
+        worker and rows filled; seconds the sampler waited for and applied them, and steps."""
+        fill, rows = (self._masks.fill_seconds, self._masks.rows_filled) if self._masks else (0, 0)
+        return {
+            "fill_seconds": fill,
+            "rows_filled": rows,
+            "wait_apply_seconds": self.grammar_wait_seconds,
+            "steps": self.grammar_steps,
+        }
 
     # -- internals -----------------------------------------------------------------------------
     def _draw(self, plan: SamplerPlan, x: torch.Tensor) -> torch.Tensor:
@@ -433,3 +540,15 @@ class SamplerResource(Resource):
             top = tuple(zip(top_il[j][:k], top_vl[j][:k], strict=True)) if k else ()
             out[row] = TokenLogprob(token_list[row], chosen_l[j], top)
         return out
+
+
+def _bias_index(
+    parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The step's logit biases as flat (rows, token ids, values) for one `index_put_`."""
+    if not parts:
+        return None
+    rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in parts])
+    ids = torch.cat([ids for _, (ids, _) in parts])
+    values = torch.cat([values for _, (_, values) in parts])
+    return rows.to(device), ids, values

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +34,14 @@ class RequestState:
     logprobs: int | None
     seed_base: int | None
     num_output: int = 0
+    #: The grammar's matcher (xgrammar), advanced at commit; None without a grammar.
+    matcher: Any = None
+    #: The matcher refused a committed token (cannot happen with its mask applied): ends it.
+    grammar_broken: bool = False
+    #: `logit_bias` as (token ids, values) tensors; None without one.
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: Token ids held back until `params.min_tokens` outputs (EOS and stop ids); None: none.
+    min_suppress: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +75,13 @@ class SamplerPlan:
     logprob_rows: tuple[tuple[int, int], ...]
     #: `seeded_rows` on the host: `plan` derives `seeded_keys` from them at every step.
     seeded_index: tuple[int, ...] = ()
+    #: Rows with a grammar, rows with a logit bias, rows with `min_tokens` (static).
+    grammar_rows: tuple[int, ...] = ()
+    bias_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    min_token_rows: tuple[int, ...] = ()
+    #: Per step: the grammar masks being filled, the (row, token) pairs held back.
+    masks: Future[Any] | None = None
+    suppress: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -83,3 +100,6 @@ class SampleOutput:
     logprobs: list[TokenLogprob | None] | None
     #: The same tokens on the device, for feeding the next step without a host round trip.
     token_tensor: torch.Tensor
+    #: Row -> finish reason for rows whose grammar ended ("stop") or has no token left
+    #: ("grammar_dead_end"): their token is not an output, the request ends.
+    ended: dict[int, str] = field(default_factory=dict)
