@@ -64,10 +64,10 @@ def test_a_burst_is_absorbed_in_mean_ttft_optimal_chunks():
     minimises the queue's mean wait (overhead + c * per_token) * (P / c + 1) / 2 over c, even where
     the stall bound would allow less."""
     budget = StepBudget(cap=8192, model=_fitted())
+    per_token = budget.model.coef[2]
     for decode_rows, prompts in ((0, 32), (12, 20)):
         pending = prompts * 128
         overhead = budget.model.predict(decode_rows, 0)
-        per_token = budget.model.coef[2]
         chunk = budget.tokens(decode_rows, prompts, pending, head_prompt=128) - decode_rows
 
         def mean_wait(c: int, pending: int = pending, overhead: float = overhead) -> float:
@@ -76,8 +76,10 @@ def test_a_burst_is_absorbed_in_mean_ttft_optimal_chunks():
         assert chunk == int(math.sqrt(pending * overhead / per_token))
         assert mean_wait(chunk) <= min(mean_wait(c) for c in range(32, 4096, 8)) * 1.01
     stalled = budget.tokens(13, 12, 12 * 128, head_prompt=128) - 13
-    assert _seconds(13, stalled) <= budget.stall_factor * _seconds(13, 0) * 1.1 < _seconds(
-        13, int(math.sqrt(12 * 128 * _seconds(13, 0) / budget.model.coef[2]))
+    assert (
+        _seconds(13, stalled)
+        <= budget.stall_factor * _seconds(13, 0) * 1.1
+        < _seconds(13, int(math.sqrt(12 * 128 * _seconds(13, 0) / budget.model.coef[2])))
     )
 
 
