@@ -84,11 +84,9 @@ class Picker(Process):
             args[args.index(flag) + 1] = str(self.ports[flag])
         # The ConfigMap is mounted at the path the args name; here it is a file in logs/.
         config_flag = args.index("--config-file") + 1
-        config_path = logs / Path(args[config_flag]).name
-        config_path.write_text(config)
-        self.config_path_in_pod = args[config_flag]
-        args[config_flag] = str(config_path)
-        self.args = args
+        self.config_path = logs / Path(args[config_flag]).name
+        self.config_path.write_text(config)
+        args[config_flag] = str(self.config_path)
         meta = deployment["metadata"]
         env = {
             **os.environ,
@@ -98,6 +96,7 @@ class Picker(Process):
             "OTEL_SDK_DISABLED": "true",  # its trace exporter would dial a collector
         }
         super().__init__([str(binary), *args], logs / "epp.log", env)
+        self.env = env
 
     @property
     def grpc_address(self) -> str:

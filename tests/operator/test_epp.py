@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from built_tools import module_version, tool_bin, wait_until
 from epp_harness import EPP_VERSION, Engine, Gateway, Picker, gauge
 from live_server import BackgroundLoad
@@ -128,6 +130,21 @@ def test_the_picker_starts_on_the_operators_config_and_reads_mstar_metrics(pool:
         )  # fmt: skip
         kv = gauge(picker.metrics(), "inference_pool_average_kv_cache_utilization")
         assert 0.0 < kv < 1.0
+
+
+def test_the_picker_refuses_the_old_data_section(pool: Pool, tmp_path: Path) -> None:
+    """What the operator rendered before: the same config with `data` for `dataLayer`. The
+    picker exits at once on its strict decoding (the reason for the operator's change)."""
+    config = yaml.safe_load(pool.picker.config_path.read_text())
+    config["data"] = config.pop("dataLayer")
+    old = tmp_path / "old-config.yaml"
+    old.write_text(yaml.safe_dump(config))
+    argv = [str(old) if a == str(pool.picker.config_path) else a for a in pool.picker.argv]
+    assert argv != pool.picker.argv
+    proc = subprocess.run(argv, env=pool.picker.env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert re.search(r'unknown field \\?"data\\?"', out), out[-2000:]  # JSON logs escape quotes
 
 
 def snapshot(engine: Engine) -> tuple[float, float]:
