@@ -216,8 +216,8 @@ class Decoder(nn.Module):
         self.requires_grad_(False)
         #: `cpu_kernels.load()`'s extension for the float32 and bf16 glue ops, or None (torch ops)
         self.cpu_kernels: Any | None = None
-        #: the first norm also takes the kernels' per-row pass (torch's reductions over a batch
-        #: may split a row's sum by the batch's size); set with ``--deterministic``
+        #: the first norm also takes the kernels' per-row pass (torch's reductions promise no
+        #: per-row order across batch shapes); set with ``--deterministic``
         self.deterministic = False
         self.rope = RotaryEmbedding(
             cfg.head_dim,
