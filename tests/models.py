@@ -13,6 +13,17 @@ from pathlib import Path
 import torch
 
 TINY_VOCAB = 96
+#: user questions of mixed lengths for the real-model tests' chat and raw prompts
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves falling on a quiet pond.",
+    "Hi",
+    "Explain, in two sentences, why the sky looks blue during the day and red at sunset.",
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Describe a cat.",
+]
 
 
 def build_tiny_model(folder: Path, family: str = "llama", **overrides: object) -> Path:

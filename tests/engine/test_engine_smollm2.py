@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from models import hf_greedy
+from models import QUESTIONS, hf_greedy
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
@@ -15,16 +15,6 @@ from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves falling on a quiet pond.",
-    "Hi",
-    "Explain, in two sentences, why the sky looks blue during the day and red at sunset.",
-    "List three prime numbers.",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 12?",
-    "Describe a cat.",
-]
 
 
 @pytest.fixture(scope="module")

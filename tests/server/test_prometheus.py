@@ -12,6 +12,7 @@ from typing import Any
 from external_tools import require_tool
 from live_server import LiveServer, make_engine
 
+from mstar.engine.outputs import FinishReason
 from tests.prometheus_helper import query, run_prometheus, wait_for_series
 
 from .test_load import run_streams
@@ -77,11 +78,10 @@ def test_prometheus_scrapes_the_server_and_dashboards_evaluate(tiny_chat_dir: Pa
         rows = query(
             prom, 'sum by (finished_reason) (mstar:request_success_total{model_name="tiny"})'
         )
+        # Every outcome's series exists from the start.
         assert {r["metric"]["finished_reason"]: float(r["value"][1]) for r in rows} == {
+            **{reason.value: 0.0 for reason in FinishReason},
             "length": 24.0,
-            "stop": 0.0,  # every outcome's series exists from the start
-            "abort": 0.0,
-            "error": 0.0,
         }
 
         # Every dashboard panel parses and evaluates; the traffic panels show real values.

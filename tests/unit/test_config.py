@@ -25,9 +25,11 @@ def test_round_trip_every_kind_of_field() -> None:
         enable_prefix_caching=False,
         eviction_policy="priority",
         host_offload_gb=2.5,
+        deterministic=True,
     )
     args = to_cli_args(cfg)
     assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
+    assert "--deterministic" in args
     assert parse_cli_args(args) == cfg
 
 

@@ -131,6 +131,18 @@ class EngineConfig:
         default=30.0, metadata=_flag("On SIGTERM, how long in-flight requests may finish.")
     )
     seed: int = field(default=0, metadata=_flag("Seed of the sampler's default generator."))
+    deterministic: bool = field(
+        default=False,
+        metadata=_flag(
+            "Batch-invariant numerics: a greedy or seeded request gives the same bits whatever "
+            "shares its steps (batch, step budget and chunking, prefix-cache hits, recompute or "
+            "offload). CPU: bf16 only, one GEMM kernel for every row count and one attention "
+            "kernel for prompt and decode positions. CUDA (unverified, partial): FlashInfer "
+            "without split-KV and torch's deterministic algorithms; cuBLAS GEMMs still pick "
+            "kernels by batch size and prompt and decode positions take different attention "
+            "kernels."
+        ),
+    )
 
     def __post_init__(self) -> None:
         problems = self.validate()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.engine.config import EngineConfig
+from mstar.engine.deterministic import check_head_dim, deterministic_setup
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
@@ -111,7 +112,9 @@ class LLMEngine:
         )
         attention = AttentionResource(
             self.kv.cache,
-            select_attention_backend(device, config.attention_backend, dtype),
+            select_attention_backend(
+                device, config.attention_backend, dtype, deterministic=config.deterministic
+            ),
             num_qo_heads=model_config.num_heads,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
@@ -153,9 +156,15 @@ class LLMEngine:
         device = _pick_device(config.device)
         dtype = _pick_dtype(config.dtype, device)
         # Refuse an unavailable attention backend before spending time on the weights.
-        resolve_attention_backend(config.attention_backend, device, dtype)
+        backend = resolve_attention_backend(config.attention_backend, device, dtype)
+        if config.deterministic:
+            deterministic_setup(device, dtype, backend)
         path = config.model or str(default_model_path())
-        decoder, model_config, tokenizer = load_model(path, dtype=dtype, device=device)
+        decoder, model_config, tokenizer = load_model(
+            path, dtype=dtype, device=device, deterministic=config.deterministic
+        )
+        if config.deterministic:
+            check_head_dim(device, model_config.head_dim)
         bytes_per_page = (
             model_config.kv_elements_per_token
             * config.page_size

@@ -70,13 +70,18 @@ def resolve_attention_backend(
 
 
 def select_attention_backend(
-    device: torch.device | str, choice: str = "auto", dtype: torch.dtype = torch.bfloat16
+    device: torch.device | str,
+    choice: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    deterministic: bool = False,
 ) -> PagedAttentionBackend:
-    """The backend `resolve_attention_backend` names, built for ``device`` and ``dtype``."""
+    """The backend `resolve_attention_backend` names, built for ``device`` and ``dtype``
+    (``deterministic``: in its batch-invariant configuration)."""
     dev = torch.device(device)
     if resolve_attention_backend(choice, dev, dtype) == "flashinfer":
-        return FlashInferPagedAttention(dev, dtype)
-    return TorchPagedAttention(dev)
+        return FlashInferPagedAttention(dev, dtype, deterministic=deterministic)
+    return TorchPagedAttention(dev, deterministic=deterministic)
 
 
 __all__ = [

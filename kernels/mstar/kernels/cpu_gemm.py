@@ -9,6 +9,7 @@ choice any CPU would get, not only this machine's.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -87,6 +88,22 @@ def small_batch_kernel(
     return None
 
 
+def deterministic_kernel(kernels: Any | None) -> tuple[Any, Any] | None:
+    """(linear, pack_weight) of the bf16 GEMM that ``--deterministic`` runs for every row count:
+    VDPBF16PS where the CPU has it, else FMA on widened bf16, else None (refused). Each output
+    element of either is one float32 sum over K in a fixed order, whatever the row count or a
+    row's place in the batch (checked bitwise by the tests); oneDNN promises no such thing, and
+    the AMX kernel's row invariance is untested (no AMX machine here), so AMX CPUs take
+    VDPBF16PS too."""
+    if kernels is None:
+        return None
+    if kernels.dpbf16_available():
+        return kernels.dpbf16_linear, kernels.dpbf16_pack_weight
+    if kernels.fma_available():
+        return kernels.fma_linear, kernels.fma_pack_weight
+    return None
+
+
 def cpu_has_bf16() -> bool:
     """Native bf16 math (AVX512-BF16 or AMX); without it bf16 GEMMs widen to float32."""
     return cpu_isa.planning_features().bf16_math
@@ -133,6 +150,9 @@ class PackedLinear(nn.Module):
     tiles, AVX512-BF16, or FMA where oneDNN has no bf16), a bf16 layer also keeps its weight
     in that kernel's layout (``small_batch_weight``), and batches up to its row limit run it
     (the same float32 accumulation rounded once).
+
+    ``deterministic``: every batch runs `deterministic_kernel`, so a row's output bits do not
+    depend on the batch it is in; bf16 only (ValueError otherwise, or without such a kernel).
     """
 
     packed_weight: torch.Tensor
@@ -145,6 +165,7 @@ class PackedLinear(nn.Module):
         float32_gemm: bool = False,
         kernels: Any | None = None,
         features: cpu_isa.CpuFeatures | None = None,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         features = features or cpu_isa.planning_features()
@@ -152,6 +173,11 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.bias = linear.bias
+        self.small_batch_linear: Any | None = None
+        self.small_batch_max_rows = 0
+        if deterministic:
+            self._init_deterministic(weight, kernels)
+            return
         self.min_rows = 0
         self.weight: torch.Tensor | None = None
         self.few_rows_weight: torch.Tensor | None = None
@@ -171,14 +197,27 @@ class PackedLinear(nn.Module):
             weight.float() if self.upcast else weight, None
         )
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.small_batch_linear: Any | None = None
-        self.small_batch_max_rows = 0
         small = None
         kernel = small_batch_kernel(kernels, features) if weight.dtype == torch.bfloat16 else None
         if kernel is not None:
             self.small_batch_linear, pack, self.small_batch_max_rows = kernel
             small = pack(weight)
         self.register_buffer("small_batch_weight", small, persistent=False)
+
+    def _init_deterministic(self, weight: torch.Tensor, kernels: Any | None) -> None:
+        """One kernel for every row count, and no oneDNN copy of the weight (never used)."""
+        if weight.dtype != torch.bfloat16:
+            raise ValueError(f"deterministic CPU GEMMs are bf16 only, not {weight.dtype}")
+        kernel = deterministic_kernel(kernels)
+        if kernel is None:
+            raise ValueError("deterministic CPU GEMMs need the C++ kernels' VDPBF16PS or FMA GEMM")
+        self.small_batch_linear, pack = kernel
+        self.small_batch_max_rows = sys.maxsize
+        self.min_rows = 0
+        self.upcast = False
+        self.weight = self.few_rows_weight = self.float32_bias = None
+        self.register_buffer("packed_weight", torch.empty(0), persistent=False)
+        self.register_buffer("small_batch_weight", pack(weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.small_batch_weight is not None and x.shape[0] <= self.small_batch_max_rows:

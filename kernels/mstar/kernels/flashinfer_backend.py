@@ -23,11 +23,19 @@ plan arrays in page-locked memory and re-plans only once the device has read the
 (`plan_staging`), so no decode step makes a pageable copy of its metadata.
 
 ``runs`` counts kernel calls, so a test can prove FlashInfer really served a step.
+
+``deterministic`` (``--deterministic``): every plan passes ``disable_split_kv=True``, so each
+(request, head) reduces its keys in one pass whose order does not depend on how many requests
+share the step (with split-KV the split count, and so the merge order, follows the batch).
+Unverified on a GPU here. What it leaves batch-dependent: the prefill and decode wrappers are
+different kernels (a position recomputed in a prompt chunk is not bit-identical to its decode),
+and the prefill kernel's query tile follows the step's average query length.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +79,17 @@ def _checked(
     return qo, kvp, idx, last
 
 
+def check_split_kv_option(flashinfer: Any) -> None:
+    """ValueError unless both wrappers' ``plan`` take ``disable_split_kv`` (FlashInfer 0.3+)."""
+    for wrapper in ("BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper"):
+        params = inspect.signature(getattr(flashinfer, wrapper).plan).parameters
+        if "disable_split_kv" not in params:
+            raise ValueError(
+                f"--deterministic: this flashinfer's {wrapper}.plan has no disable_split_kv "
+                "(FlashInfer 0.3 or later has it)"
+            )
+
+
 def _all_decode(qo_indptr: torch.Tensor) -> bool:
     q_lens = qo_indptr[1:] - qo_indptr[:-1]
     return bool(q_lens.numel()) and bool((q_lens == 1).all())
@@ -90,11 +109,16 @@ class FlashInferPagedAttention:
         *,
         num_sms: int | None = None,
         new_event: Callable[[], Event] | None = None,
+        deterministic: bool = False,
     ) -> None:
         check_flashinfer_dtype(dtype)
         import flashinfer  # lazy: CUDA-only dependency
 
         self.flashinfer: Any = flashinfer
+        if deterministic:
+            check_split_kv_option(flashinfer)
+        #: extra plan arguments (``disable_split_kv`` in deterministic mode)
+        self.plan_options: dict[str, Any] = {"disable_split_kv": True} if deterministic else {}
         self.device = torch.device(device)
         self.dtype = dtype
         if num_sms is None:
@@ -187,6 +211,7 @@ class FlashInferPagedAttention:
                 page_size,
                 pos_encoding_mode="NONE",
                 **kinds,
+                **self.plan_options,
             )
             self._wrapper = self._decode
         else:
@@ -201,6 +226,7 @@ class FlashInferPagedAttention:
                 page_size,
                 causal=causal,
                 **kinds,
+                **self.plan_options,
             )
             self._wrapper = self._prefill
         staging.queued()
@@ -302,6 +328,7 @@ class FlashInferGraphDecode:
             pos_encoding_mode="NONE",
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            **self.parent.plan_options,
         )
         self._staging.queued()
         self.plans += 1

@@ -12,6 +12,12 @@ a padded page table and a boolean mask; ``run`` gathers the group's K and V rows
 the head-major layout the matmuls read, in one ``index_select``, and attends once per group.
 On CPU both groups skip the gather: `cpu_kernels.paged_decode` (one query) and
 `cpu_kernels.paged_prefill` (causal prompt chunks) read the pages in place.
+
+``deterministic`` (``--deterministic``): the two kernels sum a position's scores and values in
+different orders, so a token's numbers would depend on whether it was attended in a prompt
+chunk, a whole prompt or a decode step (recompute, prefix hits, step budgets). Every query row
+then becomes a one-query "sequence" over its own visible keys (`per_query_rows`) and the whole
+step is one `paged_decode` call: one order per position, whatever the step's composition.
 """
 
 from __future__ import annotations
@@ -74,6 +80,34 @@ def kv_lengths(
     """Tokens in each sequence's cache: full pages plus the last page's fill."""
     pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
     return (pages - 1) * page_size + kv_last_page_len.to(torch.int64)
+
+
+def per_query_rows(
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+    causal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same attention as one one-query sequence per query row (int64 CSR arrays).
+
+    Row r of a sequence with q queries and L keys sees its first L - q + r + 1 keys (all L when
+    not causal): its own pages are the sequence's first pages up to that key.
+    """
+    qo, kvp = qo_indptr.to(torch.int64), kv_indptr.to(torch.int64)
+    q_lens = qo[1:] - qo[:-1]
+    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    kv_lens = kv_lengths(kvp, kv_last_page_len, page_size)[seq]
+    if causal:
+        kv_lens = kv_lens - q_lens[seq] + (torch.arange(seq.numel()) - qo[seq]) + 1
+    pages = (kv_lens + page_size - 1) // page_size
+    row_indptr = torch.zeros(seq.numel() + 1, dtype=torch.int64)
+    torch.cumsum(pages, 0, out=row_indptr[1:])
+    first = torch.repeat_interleave(kvp[seq] - row_indptr[:-1], pages)
+    indices = kv_indices.to(torch.int64)[first + torch.arange(int(row_indptr[-1]))]
+    last = kv_lens - (pages - 1) * page_size
+    return torch.arange(seq.numel() + 1), row_indptr, indices, last
 
 
 def validate_plan(
@@ -141,11 +175,22 @@ class KernelDecodeStep:
 class TorchPagedAttention:
     """Batched paged attention in plain torch (CPU, or any device as a reference)."""
 
-    def __init__(self, device: torch.device | str = "cpu", *, use_kernels: bool = True) -> None:
-        """``use_kernels``: attend with `cpu_kernels` on CPU where they build."""
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        use_kernels: bool = True,
+        deterministic: bool = False,
+    ) -> None:
+        """``use_kernels``: attend with `cpu_kernels` on CPU where they build;
+        ``deterministic``: every query row through `paged_decode` (see the module docstring),
+        which needs the kernels (ValueError without them)."""
         self.device = torch.device(device)
         use = use_kernels and self.device.type == "cpu"
         self._kernel = cpu_kernels.load() if use else None
+        if deterministic and self._kernel is None:
+            raise ValueError("deterministic attention needs the C++ CPU kernels (CPU only)")
+        self.deterministic = deterministic
         #: prompt chunks go to `cpu_kernels.paged_prefill` only where the kernels' 16-float
         #: vectors fit a register: GCC lowers them through memory on AVX2, where a 512-token
         #: prompt of SmolLM2's heads took 161-175 ms in the kernel against 44-60 ms in SDPA
@@ -184,6 +229,17 @@ class TorchPagedAttention:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} not a multiple of {num_kv_heads}")
         validate_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
+        if self.deterministic:
+            if not cpu_kernels.supports_head_dim(head_dim):
+                raise ValueError(f"deterministic attention: no kernel for head_dim {head_dim}")
+            qo_indptr, kv_indptr, kv_indices, kv_last_page_len = per_query_rows(
+                qo_indptr.cpu(),
+                kv_indptr.cpu(),
+                kv_indices.cpu(),
+                kv_last_page_len.cpu(),
+                page_size,
+                causal,
+            )
         self._num_qo_heads = num_qo_heads
         self._num_kv_heads = num_kv_heads
         self._head_dim = head_dim
@@ -270,6 +326,11 @@ class TorchPagedAttention:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         hq, d = self._num_qo_heads, self._head_dim
         kernel = self._kernel_for(q, kv_layer)
+        if kernel is None and self.deterministic:
+            raise ValueError(
+                f"deterministic attention: the kernels take float32 or bf16 (q {q.dtype}, cache "
+                f"{kv_layer.dtype}) in a contiguous cache"
+            )
         if kernel is not None and not cpu_kernels.heads_contiguous(q):
             q = q.contiguous()
         if kernel is not None and len(self._groups) == 1 and self._groups[0].q_max == 1:

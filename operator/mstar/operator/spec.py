@@ -53,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
         "maxWaitingRequests": 256,
         "shutdownGraceSeconds": 30,
         "seed": 0,
+        "deterministic": False,
     },
     "telemetry": {"samplingRatio": 1, "metrics": True},
     "service": {"type": "ClusterIP", "port": 8000},
@@ -104,6 +105,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "maxWaitingRequests": "max_waiting_requests",
     "shutdownGraceSeconds": "shutdown_grace_seconds",
     "seed": "seed",
+    "deterministic": "deterministic",
 }
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")

@@ -76,17 +76,27 @@ class RMSNorm(nn.Module):
 
 
 def pack_linears_(
-    decoder: Decoder, *, float32_gemm: bool = False, kernels: Any | None = None
+    decoder: Decoder,
+    *,
+    float32_gemm: bool = False,
+    kernels: Any | None = None,
+    deterministic: bool = False,
 ) -> None:
-    """Swap every projection and the LM head for a `PackedLinear` (see `can_pack`)."""
+    """Swap every projection and the LM head for a `PackedLinear` (see `can_pack`);
+    ``deterministic``: each runs one row-invariant kernel for every batch (see `PackedLinear`)."""
+
+    def pack(linear: nn.Linear) -> PackedLinear:
+        return PackedLinear(
+            linear, float32_gemm=float32_gemm, kernels=kernels, deterministic=deterministic
+        )
+
     for layer in decoder.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)
             if isinstance(linear, nn.Linear):
-                packed = PackedLinear(linear, float32_gemm=float32_gemm, kernels=kernels)
-                setattr(layer, name, packed)
+                setattr(layer, name, pack(linear))
     if isinstance(decoder.lm_head, nn.Linear):
-        decoder.lm_head = PackedLinear(decoder.lm_head, float32_gemm=float32_gemm, kernels=kernels)
+        decoder.lm_head = pack(decoder.lm_head)
 
 
 class DecoderLayer(nn.Module):
@@ -206,6 +216,9 @@ class Decoder(nn.Module):
         self.requires_grad_(False)
         #: `cpu_kernels.load()`'s extension for the float32 and bf16 glue ops, or None (torch ops)
         self.cpu_kernels: Any | None = None
+        #: the first norm also takes the kernels' per-row pass (torch's reductions promise no
+        #: per-row order across batch shapes); set with ``--deterministic``
+        self.deterministic = False
         self.rope = RotaryEmbedding(
             cfg.head_dim,
             max_positions or cfg.max_position_embeddings,
@@ -243,6 +256,8 @@ class Decoder(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rope.lookup(positions)
         residual: torch.Tensor | None = None
+        if self.deterministic and self.cpu_kernels is not None:
+            residual = torch.zeros_like(hidden)  # residual + x == x exactly
         last = len(self.layers) - 1
         # Only the sampled rows' last-layer output reaches the LM head: the rest of a prompt
         # chunk stops after the last attention (its K/V are all later steps need). That skips

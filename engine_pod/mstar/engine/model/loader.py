@@ -173,8 +173,11 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     max_positions: int | None = None,
+    deterministic: bool = False,
 ) -> tuple[Decoder, ModelConfig, Tokenizer]:
     """Load a Llama/Qwen2 Hugging Face folder -> (decoder, config, tokenizer).
+
+    ``deterministic`` (CPU): batch-invariant GEMMs and norms (`pack_linears_`, `Decoder`).
 
     Raises ``ModelLoadError`` naming the missing path, file or tensor, or the unsupported
     architecture.
@@ -190,8 +193,14 @@ def load_model(
     decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
     kernels = cpu_kernels.load() if decoder.device.type == "cpu" else None
     if can_pack(torch_dtype, decoder.device):
-        pack_linears_(decoder, float32_gemm=bf16_float32_gemm(torch_dtype), kernels=kernels)
+        pack_linears_(
+            decoder,
+            float32_gemm=bf16_float32_gemm(torch_dtype),
+            kernels=kernels,
+            deterministic=deterministic,
+        )
     decoder.cpu_kernels = kernels
+    decoder.deterministic = deterministic
     return decoder, cfg, tokenizer
 
 
