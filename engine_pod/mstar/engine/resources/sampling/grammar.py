@@ -11,6 +11,7 @@ forward runs, the sampler applies it, and the matcher advances only at commit.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -160,12 +161,24 @@ class MaskResult:
     ended: dict[int, str]
 
 
-class MaskWorker:
-    """Fills grammar bitmasks on one worker thread, overlapped with the step's forward."""
+def spare_core(device: torch.device) -> bool:
+    """Whether a mask thread would run beside the forward rather than against it: the forward
+    runs on an accelerator, or the host has a CPU that torch's OpenMP team does not use."""
+    return device.type != "cpu" or (os.cpu_count() or 1) > torch.get_num_threads()
 
-    def __init__(self, backend: GrammarBackend) -> None:
+
+class MaskWorker:
+    """Fills grammar bitmasks on one worker thread, overlapped with the step's forward; or
+    inline (``overlap=False``), when that thread would only take a core from the forward.
+
+    Measured on 2 cores, both in torch's team (SmolLM2 bf16, 8 json_schema streams, warm):
+    overlapped, output tok/s 11% under unconstrained; inline, 4.5% (the inline fill, ~0.14 ms
+    per row, is cheaper than stalling the OpenMP team it competes with).
+    """
+
+    def __init__(self, backend: GrammarBackend, overlap: bool = True) -> None:
         self.backend = backend
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mstar-grammar")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mstar-grammar") if overlap else None
         #: Allocated on first use: xgrammar (and transformers, which it imports) load only
         #: once a request asks for a grammar.
         self._bitmask: torch.Tensor | None = None
@@ -175,7 +188,11 @@ class MaskWorker:
 
     def submit(self, rows: list[tuple[int, xgrammar.GrammarMatcher | None]]) -> Future[MaskResult]:
         """Start the masks of ``rows`` (batch row, matcher; None: a matcher that went wrong)."""
-        return self._pool.submit(self._fill, rows)
+        if self._pool is not None:
+            return self._pool.submit(self._fill, rows)
+        done: Future[MaskResult] = Future()
+        done.set_result(self._fill(rows))
+        return done
 
     def _fill(self, rows: list[tuple[int, xgrammar.GrammarMatcher | None]]) -> MaskResult:
         start = time.perf_counter()
@@ -214,7 +231,8 @@ class MaskWorker:
         return torch.from_numpy(bits.view(np.bool_))[:, : self.backend.vocab_size]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def apply_masks(logits: torch.Tensor, result: MaskResult) -> None:

@@ -17,7 +17,12 @@ import torch
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.resources.base import Resource
 from mstar.engine.resources.sampling import ops
-from mstar.engine.resources.sampling.grammar import GrammarBackend, MaskWorker, apply_masks
+from mstar.engine.resources.sampling.grammar import (
+    GrammarBackend,
+    MaskWorker,
+    apply_masks,
+    spare_core,
+)
 from mstar.engine.resources.sampling.values import (
     RequestState,
     SampleOutput,
@@ -64,12 +69,12 @@ class SamplerResource(Resource):
         ``eos_token_ids``: what `min_tokens` holds back besides a request's stop ids."""
         self.vocab_size = vocab_size
         self.grammar = grammar
-        self._masks = MaskWorker(grammar) if grammar is not None else None
         self._eos = tuple(eos_token_ids)
         #: Time `sample` spent waiting for and applying grammar masks, and in how many steps.
         self.grammar_wait_seconds = 0.0
         self.grammar_steps = 0
         self.device = torch.device(device)
+        self._masks = None if grammar is None else MaskWorker(grammar, spare_core(self.device))
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._reqs: dict[str, RequestState] = {}
