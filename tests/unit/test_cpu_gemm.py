@@ -126,7 +126,7 @@ def test_bfloat16_on_an_avx2_cpu_never_asks_onednn_for_bf16(tmp_path, monkeypatc
         assert layer.small_batch_max_rows == FMA_MAX_ROWS
     ids = random.Random(4).choices(range(VOCAB), k=FMA_MAX_ROWS + 8)
     pool = PagedPool(cfg, num_pages=32, page_size=4, dtype=torch.bfloat16)
-    prompt = pool.step(decoder, [(0, ids[:-1])], all_logits=True)  # float32 GEMMs (15 rows)
+    prompt = pool.step(decoder, [(0, ids[:-1])], all_logits=True)  # float32 GEMMs (past the max)
     last = pool.step(decoder, [(0, ids[-1:])], all_logits=True)  # the FMA kernel (1 row)
     hf_bf16 = hf.to(torch.bfloat16)
     ours = torch.cat([prompt, last])

@@ -19,6 +19,7 @@ namespace mstar_cpu {
 namespace {
 
 constexpr int kFmaRows = 6;  // rows per pass: 12 ymm accumulators of AVX2's 16 registers
+constexpr int64_t kFmaBlockRows = 64;  // rows per block: 64 x 1536 float32 is 384 KB (L2)
 constexpr int kFmaVecs = kFmaCols / W;  // vectors per panel row
 static_assert(kFmaCols % W == 0);
 
@@ -68,24 +69,33 @@ using FmaPass = void (*)(const float*, int64_t, const bf16*, const char*, int64_
 constexpr FmaPass kFmaPasses[kFmaRows + 1] = {nullptr,     fma_pass<1>, fma_pass<2>, fma_pass<3>,
                                               fma_pass<4>, fma_pass<5>, fma_pass<6>};
 
-bool fma_compiled() {
-#if defined(__FMA__) || defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-// Weight [N, K] -> [ceil(N/16), K, 16]; the caller zeroes the padding past N.
-void fma_pack(const bf16* src, int64_t n, int64_t k, bf16* dst) {
-  const int64_t panels = round_up(n, kFmaCols) / kFmaCols;
+// Rows [0, m) of xf (float32, row stride k) @ the packed weight into out (row stride n): one
+// thread per run of panels, each panel multiplied by every row in passes of near-equal size, as
+// `dpbf16_gemm` splits them.
+void fma_rows(const float* xf, int64_t m, int64_t k, const bf16* packed, int64_t panels,
+              int64_t n, const bf16* bias, bf16* out) {
+  const int64_t panel_elems = k * kFmaCols;
+  const int64_t passes = (m + kFmaRows - 1) / kFmaRows;
+  const int64_t lines = (panel_elems * 2 / 64 + passes - 1) / passes;  // per pass
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t col = 0; col < kFmaCols && p * kFmaCols + col < n; ++col) {
-        const bf16* row = src + (p * kFmaCols + col) * k;
-        bf16* d = dst + p * k * kFmaCols + col;
-        for (int64_t j = 0; j < k; ++j) d[j * kFmaCols] = row[j];
+    for (int64_t p = p0; p < p1; ++p) {
+      const bf16* b = packed + p * panel_elems;
+      const int64_t c0 = p * kFmaCols, cols = std::min(kFmaCols, n - c0);
+      vf bias_v[kFmaVecs] = {};
+      if (bias != nullptr) {
+        bf16 tmp[kFmaCols] = {};
+        std::memcpy(tmp, bias + c0, cols * sizeof(bf16));
+        for (int c = 0; c < kFmaVecs; ++c) bias_v[c] = load(tmp + c * W);
       }
+      for (int64_t pass = 0, r0 = 0; pass < passes; ++pass) {
+        const char* next = nullptr;
+        if (p + 1 < p1)
+          next = reinterpret_cast<const char*>(b + panel_elems) + pass * lines * 64;
+        const int64_t rows = m / passes + (pass < m % passes);
+        kFmaPasses[rows](xf + r0 * k, k, b, next, lines, bias_v, cols, out + r0 * n + c0, n);
+        r0 += rows;
+      }
+    }
   });
 }
 
@@ -112,37 +122,19 @@ void fma_pack(const bf16* src, int64_t n, int64_t k, bf16* dst) {
   });
 }
 
-// x [M, K] (row stride lda) @ the packed weight. The rows are split into passes of near-equal
-// size, as `dpbf16_gemm` splits them.
+// x [M, K] (row stride lda) @ the packed weight, x widened to float32 once (not once per panel),
+// then in blocks of kFmaBlockRows rows: a block's float32 rows stay in L2 while every panel
+// passes over them (a prompt chunk's whole x would come from DRAM again for every panel).
 void fma_gemm(const bf16* x, int64_t lda, int64_t m, int64_t k, const bf16* packed,
               int64_t panels, int64_t n, const bf16* bias, bf16* out) {
-  std::vector<float> xf(m * k);  // x widened once, not once per panel
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < k; ++j) xf[r * k + j] = static_cast<float>(x[r * lda + j]);
-  const int64_t panel_elems = k * kFmaCols;
-  const int64_t passes = (m + kFmaRows - 1) / kFmaRows;
-  const int64_t lines = (panel_elems * 2 / 64 + passes - 1) / passes;  // per pass
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const bf16* b = packed + p * panel_elems;
-      const int64_t c0 = p * kFmaCols, cols = std::min(kFmaCols, n - c0);
-      vf bias_v[kFmaVecs] = {};
-      if (bias != nullptr) {
-        bf16 tmp[kFmaCols] = {};
-        std::memcpy(tmp, bias + c0, cols * sizeof(bf16));
-        for (int c = 0; c < kFmaVecs; ++c) bias_v[c] = load(tmp + c * W);
-      }
-      for (int64_t pass = 0, r0 = 0; pass < passes; ++pass) {
-        const char* next = nullptr;
-        if (p + 1 < p1)
-          next = reinterpret_cast<const char*>(b + panel_elems) + pass * lines * 64;
-        const int64_t rows = m / passes + (pass < m % passes);
-        kFmaPasses[rows](xf.data() + r0 * k, k, b, next, lines, bias_v, cols, out + r0 * n + c0,
-                         n);
-        r0 += rows;
-      }
-    }
+  std::vector<float> xf(m * k);
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < k; ++j) xf[r * k + j] = static_cast<float>(x[r * lda + j]);
   });
+  for (int64_t r0 = 0; r0 < m; r0 += kFmaBlockRows)
+    fma_rows(xf.data() + r0 * k, std::min(kFmaBlockRows, m - r0), k, packed, panels, n, bias,
+             out + r0 * n);
 }
 
 }  // namespace mstar_cpu
