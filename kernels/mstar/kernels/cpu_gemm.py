@@ -63,10 +63,10 @@ DPBF16_MAX_ROWS = 128
 #: `cpu_kernels.fma_linear` over the bf16 weights, widened in registers; larger batches (prompt
 #: chunks) multiply float32 copies of the weights with oneDNN's float32 kernel. Measured with the
 #: x86-64-v3 build (8-lane vectors) and oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) on a
-#: 2-core Zen 5 under load (~4), SmolLM2's 120 projections and LM head against oneDNN float32 on
-#: float32 copies: 11.5 vs 34.8 ms at 1 row, 19.5 vs 54.2 at 8, 29.3 vs 56.3 at 16, 50.9 vs 81.5
-#: at 32, 94.2 vs 162.3 at 64.
-FMA_MAX_ROWS = 64
+#: 2-core Zen 5, SmolLM2's 120 projections and LM head against oneDNN float32 on float32 copies:
+#: 11.5 vs 34.8 ms at 1 row, 19.5 vs 54.2 at 8, 50.9 vs 81.5 at 32 (load ~4); 129 vs 166 at 64,
+#: 250 vs 400 at 128, but 1299 vs 1025 at 512 (load ~1.7).
+FMA_MAX_ROWS = 128
 
 
 def small_batch_kernel(

@@ -297,11 +297,12 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
 // q_start[b] .. + q_len[b] of q, the last q_len[b] of its kv_len[b] positions. One task per
 // (sequence, KV head, block of PF_ROWS query rows), handed out dynamically since later rows see
 // more keys: the task widens its keys once into float32 K^T [D, keys] and V [keys, D], then
-// for 4 query rows of a head at a time takes W scores per pass over D (one K load feeds 4
+// for 4 query rows of a head at a time takes 2W scores per pass over D (one K load feeds 4
 // FMAs), a softmax in float32, and the value sum with 4 x PC accumulators in registers
 // (as many passes over the keys as that takes to cover D).
 constexpr int64_t PF_ROWS = 32;
 constexpr int PF_R = 4;
+constexpr int PF_S = 2;  // key vectors per float32 score pass: 8 FMA chains, FMA's latency hidden
 
 template <typename T, int NV>
 void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* table,
@@ -323,7 +324,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
   for (int64_t it = 0; it < n_items; ++it) {
     const int64_t b = items[3 * it], hk = items[3 * it + 1], r0 = items[3 * it + 2];
     const int64_t n = q_lens[b], first = kv_lens[b] - n, r1 = std::min(n, r0 + PF_ROWS);
-    const int64_t keys = first + r1, lp = (keys + W - 1) / W * W;
+    const int64_t keys = first + r1, lp = round_up(keys, PF_S * W);
     const int64_t* pt = table + b * max_pages;
     auto key_row = [&](int64_t l, int64_t plane) {
       return kv + ((pt[l / page_size] * 2 + plane) * page_size + l % page_size) * head_row +
@@ -423,15 +424,18 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
           float qv[PF_R][D];
           for (int i = 0; i < PF_R; ++i)
             for (int64_t d = 0; d < D; ++d) qv[i][d] = static_cast<float>(qr[i][d]);
-          for (int64_t j = 0; j < hi; j += W) {
-            vf acc[PF_R] = {};
+          for (int64_t j = 0; j < hi; j += PF_S * W) {
+            vf acc[PF_R][PF_S] = {};
 #pragma GCC unroll 8
             for (int64_t d = 0; d < D; ++d) {
-              const vf kd = load(ktp + d * lp + j);
+              vf kd[PF_S];
+              for (int c = 0; c < PF_S; ++c) kd[c] = load(ktp + d * lp + j + c * W);
 #pragma GCC unroll 4
-              for (int i = 0; i < PF_R; ++i) acc[i] += qv[i][d] * kd;
+              for (int i = 0; i < PF_R; ++i)
+                for (int c = 0; c < PF_S; ++c) acc[i][c] += qv[i][d] * kd[c];
             }
-            for (int i = 0; i < PF_R; ++i) store(scp + i * lp + j, acc[i] * scale);
+            for (int i = 0; i < PF_R; ++i)
+              for (int c = 0; c < PF_S; ++c) store(scp + i * lp + j + c * W, acc[i][c] * scale);
           }
         }
         float inv[PF_R];
