@@ -15,6 +15,8 @@ import openai
 import pytest
 from live_server import LiveServer, make_engine
 
+from mstar.kernels import cpu_isa
+
 #: Greedy and never stopping at EOS, so lengths are exact.
 EXTRA = {"ignore_eos": True}
 
@@ -33,7 +35,12 @@ def ids_of(text: str) -> list[int]:
 
 
 def test_probes_and_models(server: LiveServer, client: openai.OpenAI) -> None:
-    assert server.get("/health")[0] == 200
+    status, body = server.get("/health")
+    # the engine runs on CPU here: the kernels of this CPU's level (or MSTAR_CPU_ISA's)
+    assert status == 200 and json.loads(body) == {
+        "status": "ok",
+        "cpu_isa": cpu_isa.chosen_level().name,
+    }
     status, body = server.get("/ready")
     assert status == 200 and json.loads(body)["model"] == "tiny"
     models = client.models.list()

@@ -124,13 +124,18 @@ def test_bfloat16_on_an_avx2_cpu_never_asks_onednn_for_bf16(tmp_path, monkeypatc
         assert layer.few_rows_weight is None and layer.packed_weight.dtype == torch.float32
         assert layer.small_batch_linear == kernels.fma_linear
         assert layer.small_batch_max_rows == FMA_MAX_ROWS
-    ids = random.Random(4).choices(range(VOCAB), k=FMA_MAX_ROWS + 8)
-    pool = PagedPool(cfg, num_pages=32, page_size=4, dtype=torch.bfloat16)
-    prompt = pool.step(decoder, [(0, ids[:-1])], all_logits=True)  # float32 GEMMs (15 rows)
-    last = pool.step(decoder, [(0, ids[-1:])], all_logits=True)  # the FMA kernel (1 row)
+    # Three prompts in one step: more rows than FMA_MAX_ROWS (float32 GEMMs), then one decode
+    # row each (the FMA kernel).
+    seqs = [random.Random(4 + s).choices(range(VOCAB), k=FMA_MAX_ROWS // 3 + 4) for s in range(3)]
+    pool = PagedPool(cfg, num_pages=48, page_size=4, dtype=torch.bfloat16)
+    prompt = pool.step(decoder, [(s, ids[:-1]) for s, ids in enumerate(seqs)], all_logits=True)
+    assert prompt.shape[0] > FMA_MAX_ROWS
+    last = pool.step(decoder, [(s, ids[-1:]) for s, ids in enumerate(seqs)], all_logits=True)
     hf_bf16 = hf.to(torch.bfloat16)
-    ours = torch.cat([prompt, last])
-    torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
+    rows = len(seqs[0]) - 1
+    for s, ids in enumerate(seqs):
+        ours = torch.cat([prompt[s * rows : (s + 1) * rows], last[s : s + 1]])
+        torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
 
 
 def test_bfloat16_float32_gemm_can_be_switched_off(tmp_path, monkeypatch):

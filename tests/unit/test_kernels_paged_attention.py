@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -95,26 +96,43 @@ CASES = [
 ]
 
 
-#: every ISA level this CPU runs (x86-64-v3 among them on any x86-64 machine with AVX2), then
-#: the torch gather
-PATHS = [lvl.name for lvl in cpu_isa.supported_levels()] + ["torch-gather"]
+#: every ISA level this CPU runs (x86-64-v3 among them on any x86-64 machine with AVX2: its
+#: 8-lane build), then the torch gather
+LEVELS = [lvl.name for lvl in cpu_isa.supported_levels()]
+PATHS = [*LEVELS, "torch-gather"]
+
+
+@contextmanager
+def _at_level(name: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernels of one ISA level's build, chosen as a user would, by MSTAR_CPU_ISA."""
+    require_tool("g++")
+    require_tool("ninja")
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, name)
+    cpu_kernels.load.cache_clear()
+    kernels = cpu_kernels.load()
+    assert kernels is not None and kernels.isa_level() == name
+    try:
+        yield
+    finally:
+        cpu_kernels.load.cache_clear()
 
 
 @pytest.fixture(params=PATHS)
 def use_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
-    """Both CPU paths: the C++ kernels reading pages in place (each ISA level's build, chosen
-    as a user would, by MSTAR_CPU_ISA), and the torch gather."""
+    """Both CPU paths: the C++ kernels reading pages in place (each level's build), and the
+    torch gather."""
     if request.param == "torch-gather":
         yield False
         return
-    require_tool("g++")
-    require_tool("ninja")
-    monkeypatch.setenv(cpu_isa.ENV_LEVEL, request.param)
-    cpu_kernels.load.cache_clear()
-    kernels = cpu_kernels.load()
-    assert kernels is not None and kernels.isa_level() == request.param
-    yield True
-    cpu_kernels.load.cache_clear()
+    with _at_level(request.param, monkeypatch):
+        yield True
+
+
+@pytest.fixture(params=LEVELS)
+def kernel_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The C++ kernels at each ISA level this CPU runs."""
+    with _at_level(request.param, monkeypatch):
+        yield request.param
 
 
 def test_cpu_kernels_build_here() -> None:
@@ -345,11 +363,11 @@ def test_flashinfer_matches_torch(page_size, hq, hkv, specs, decode_only):
     [(5, 16, 2, 128), (16, 8, 1, 256), (3, 4, 4, 32), (16, 12, 4, 64)],
     ids=["pages-of-5-group-8", "head-256-mqa", "pages-of-3-mha", "group-3"],
 )
-def test_decode_kernel_reads_q_in_place_from_fused_rows(page_size, hq, hkv, d):
+def test_decode_kernel_reads_q_in_place_from_fused_rows(page_size, hq, hkv, d, kernel_level):
     """A decode-only step hands the kernel q as a strided view of the fused QKV rows; blocks
-    of 16 keys straddle pages when the page size is not a multiple of 16."""
-    require_tool("g++")
-    require_tool("ninja")
+    of 16 keys (8 on levels without AVX-512) straddle pages when the page size is not a
+    multiple of them; heads of 128 and 256 take several register passes over the values where
+    a pass holds fewer vectors than the head (AVX2, the baseline)."""
     specs = [(1, 1), (15, 1), (16, 1), (17, 1), (61, 1), (33, 1)]
     pool, dense, q, plan = build_case(9, page_size, hq, hkv, d, specs, num_pages=80)
     fused = torch.randn(len(specs), (hq + 2 * hkv) * d)
@@ -368,11 +386,12 @@ def test_decode_kernel_reads_q_in_place_from_fused_rows(page_size, hq, hkv, d):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_prefill_kernel_prompts_and_chunks_from_fused_rows(d: int, dtype: torch.dtype) -> None:
+def test_prefill_kernel_prompts_and_chunks_from_fused_rows(
+    d: int, dtype: torch.dtype, kernel_level: str
+) -> None:
     """Fresh prompts and chunks after cached keys, across the kernel's 32-row blocks and its
-    4-row tails, beside decode rows; q a strided view of fused QKV rows, 16-token pages."""
-    require_tool("g++")
-    require_tool("ninja")
+    4-row tails, beside decode rows; q a strided view of fused QKV rows, 16-token pages; every
+    level's build (the value sums in passes of a few vectors each on AVX2)."""
     specs = [(70, 70), (1, 1), (140, 37), (5, 5), (33, 1), (200, 64), (2, 2)]
     hq, hkv, page_size = 9, 3, 16
     pool, dense, q, plan = build_case(10, page_size, hq, hkv, d, specs, 60, dtype)

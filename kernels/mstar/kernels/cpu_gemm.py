@@ -61,13 +61,13 @@ DPBF16_MAX_ROWS = 128
 
 #: Where the CPU has neither bf16 dot products nor a oneDNN bf16 GEMM (AVX2: oneDNN refuses bf16
 #: without AVX512 BW/VL/DQ or AVX-NE-CONVERT), bf16 batches up to this many rows run
-#: `cpu_kernels.fma_linear` over the bf16 weights, widened in registers; larger batches multiply
-#: float32 copies of the weights with oneDNN's float32 kernel. Measured with the x86-64-v3 build
-#: and oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) on a 2-core Zen 5 under load (~6),
-#: SmolLM2's four projections and LM head, against oneDNN float32 on float32 copies: 24.0 vs 25.8
-#: ms at 1 row, 48.0 vs 42.3 at 8, 81.2 vs 73.6 at 32; in the engine, quiet, bf16 this way ran
-#: 40.6 tok/s at batch 1 against float32's 18.4 (the copies stream twice the bytes).
-FMA_MAX_ROWS = 8
+#: `cpu_kernels.fma_linear` over the bf16 weights, widened in registers; larger batches (prompt
+#: chunks) multiply float32 copies of the weights with oneDNN's float32 kernel. Measured with the
+#: x86-64-v3 build (8-lane vectors) and oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA=AVX2) on a
+#: 2-core Zen 5, SmolLM2's 120 projections and LM head against oneDNN float32 on float32 copies:
+#: 11.5 vs 34.8 ms at 1 row, 19.5 vs 54.2 at 8, 50.9 vs 81.5 at 32 (load ~4); 129 vs 166 at 64,
+#: 250 vs 400 at 128, but 1299 vs 1025 at 512 (load ~1.7).
+FMA_MAX_ROWS = 128
 
 
 def small_batch_kernel(

@@ -31,8 +31,6 @@ class Level:
     cflags: tuple[str, ...]
     requires: frozenset[str]
     summary: str
-    #: widest vector register: the kernels' 16-float vectors fit one only at 64 (AVX-512)
-    vector_bytes: int = 16
 
 
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
@@ -43,21 +41,19 @@ _V4_FLAGS = ("-march=x86-64-v4", "-mtune=generic", "-mprefer-vector-width=512")
 
 X86_LEVELS = (
     Level("x86-64", ("-march=x86-64", "-mtune=generic"), frozenset(), "SSE2 baseline"),
-    Level("x86-64-v3", ("-march=x86-64-v3", "-mtune=generic"), _V3, "AVX2, FMA, F16C", 32),
-    Level("x86-64-v4", _V4_FLAGS, _V4, "AVX-512", 64),
+    Level("x86-64-v3", ("-march=x86-64-v3", "-mtune=generic"), _V3, "AVX2, FMA, F16C"),
+    Level("x86-64-v4", _V4_FLAGS, _V4, "AVX-512"),
     Level(
         "avx512-bf16",
         (*_V4_FLAGS, "-mavx512bf16"),
         _V4 | {"avx512_bf16"},
         "AVX-512 with AVX512-BF16 (VDPBF16PS)",
-        64,
     ),
     Level(
         "amx",
         (*_V4_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
         _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
         "AVX-512 with AVX512-BF16 and AMX bf16 tiles",
-        64,
     ),
 )
 GENERIC_LEVELS = (Level("generic", (), frozenset(), "the compiler's default target"),)

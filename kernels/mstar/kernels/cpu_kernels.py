@@ -83,7 +83,7 @@ FUNCTIONS = (
 #: dtypes ``paged_decode``, ``write_kv``, the glue ops and ``argmax_rows`` handle
 DTYPES = (torch.float32, torch.bfloat16)
 
-#: head dims ``paged_decode`` is instantiated for (whole 16-float vectors, registers per row)
+#: head dims ``paged_decode`` is instantiated for (whole vectors of 16 or 8 floats per row)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -141,3 +141,10 @@ def load() -> Any | None:
         return None
     log.info("CPU kernels: ISA level %s (%s)", level.name, level.summary)
     return module
+
+
+def loaded_level() -> str | None:
+    """The ISA level of the kernels this process runs; None when it loaded none (or not yet:
+    this never builds)."""
+    module = load() if load.cache_info().currsize else None
+    return None if module is None else str(module.isa_level())

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from mstar.kernels import cpu_isa, cpu_kernels
+from mstar.kernels import cpu_kernels
 
 
 class PagedAttentionBackend(Protocol):
@@ -191,13 +191,6 @@ class TorchPagedAttention:
         if deterministic and self._kernel is None:
             raise ValueError("deterministic attention needs the C++ CPU kernels (CPU only)")
         self.deterministic = deterministic
-        #: prompt chunks go to `cpu_kernels.paged_prefill` only where the kernels' 16-float
-        #: vectors fit a register: GCC lowers them through memory on AVX2, where a 512-token
-        #: prompt of SmolLM2's heads took 161-175 ms in the kernel against 44-60 ms in SDPA
-        self._prefill_kernel = (
-            self._kernel is not None
-            and cpu_isa.resolve(self._kernel.isa_level()).vector_bytes >= 64
-        )
         self._groups: list[_Group] = []
         self._num_tokens = 0
         self._num_qo_heads = 0
@@ -343,7 +336,7 @@ class TorchPagedAttention:
                 qg = q.index_select(0, g.q_rows)  # [B, Hq, D], contiguous
                 out.index_copy_(0, g.out_dst, self._kernel_decode(kernel, g, qg, kv_layer))
                 continue
-            if kernel is not None and self._causal and self._prefill_kernel:
+            if kernel is not None and self._causal:
                 # Prompt chunks: causal attention over the cache pages, rows written in place.
                 page_table = g.page_table.view(g.batch, -1)
                 kernel.paged_prefill(

@@ -26,6 +26,7 @@ from mstar.engine.server.protocol import APIError
 from mstar.engine.server.state import STATE, ServerState
 from mstar.engine.server.telemetry import Telemetry
 from mstar.engine.server.tokenize import detokenize, tokenize
+from mstar.kernels.cpu_kernels import loaded_level
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +117,13 @@ async def auth_middleware(
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the engine loop runs (a dead loop needs a restart, not more traffic)."""
+    """Liveness: the engine loop runs (a dead loop needs a restart, not more traffic). Also the
+    ISA level of the CPU kernels the engine runs (null: none, e.g. on a GPU)."""
     state = request.app[STATE]
     if not state.async_engine.alive:
         error = str(state.async_engine.error)
         return web.json_response({"status": "dead", "error": error}, status=503)
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "cpu_isa": loaded_level()})
 
 
 async def ready(request: web.Request) -> web.Response:

@@ -11,29 +11,29 @@
 namespace mstar_cpu {
 namespace {
 
-// Scores of one query head against a block of up to 16 keys (slots past ``n`` repeat key 0 and
+// Scores of one query head against a block of up to W keys (slots past ``n`` repeat key 0 and
 // are overwritten with -inf by the caller).
 template <typename T, int NV>
-inline f16v block_scores(const f16v* qh, const T* const* kp) {
-  f16v acc[16];
+inline vf block_scores(const vf* qh, const T* const* kp) {
+  vf acc[W];
 #pragma GCC unroll 16
-  for (int s = 0; s < 16; ++s) {
+  for (int s = 0; s < W; ++s) {
     const T* k = kp[kBrev[s]];
-    f16v a = qh[0] * load(k);
+    vf a = qh[0] * load(k);
 #pragma GCC unroll 16
     for (int j = 1; j < NV; ++j) a += qh[j] * load(k + j * W);
     acc[s] = a;
   }
-  return reduce16(acc);
+  return reduce_lanes(acc);
 }
 
 #if defined(__AVX512BF16__)
-// Scores of one bf16 query head (NV/2 vectors of 32 bf16) against 16 bf16 key rows: VDPBF16PS
+// Scores of one bf16 query head (NV/2 vectors of 32 bf16) against W = 16 bf16 key rows: VDPBF16PS
 // multiplies pairs exactly and sums in float32, so the keys need no widening (bf16 decode at
 // batch 64, SmolLM2's heads: 590 -> 486 us per layer).
 template <int NV>
-inline f16v block_scores_bf16(const __m512bh* qh, const c10::BFloat16* const* kp) {
-  f16v acc[16];
+inline vf block_scores_bf16(const __m512bh* qh, const c10::BFloat16* const* kp) {
+  vf acc[16];
 #pragma GCC unroll 16
   for (int s = 0; s < 16; ++s) {
     const c10::BFloat16* k = kp[kBrev[s]];
@@ -41,9 +41,9 @@ inline f16v block_scores_bf16(const __m512bh* qh, const c10::BFloat16* const* kp
 #pragma GCC unroll 8
     for (int j = 1; j < NV / 2; ++j)
       a = _mm512_dpbf16_ps(a, qh[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
-    acc[s] = (f16v)a;
+    acc[s] = (vf)a;
   }
-  return reduce16(acc);
+  return reduce_lanes(acc);
 }
 #endif
 
@@ -58,14 +58,14 @@ inline f16v block_scores_bf16(const __m512bh* qh, const c10::BFloat16* const* kp
 template <typename T>
 inline void touch_rows(const T* kv, const int64_t* off, int64_t len, int64_t row,
                        int64_t plane) {
-  i16v acc = {};
+  vi acc = {};
   for (int64_t t = 0; t < len; ++t) {
     const char* k = reinterpret_cast<const char*>(kv + off[t]);
     const char* v = reinterpret_cast<const char*>(kv + off[t] + plane);
-    for (int64_t o = 0; o < row * static_cast<int64_t>(sizeof(T)); o += 64) {
-      i16v a, c;
-      std::memcpy(&a, k + o, 64);
-      std::memcpy(&c, v + o, 64);
+    for (int64_t o = 0; o < row * static_cast<int64_t>(sizeof(T)); o += 64) {  // one per line
+      vi a, c;
+      std::memcpy(&a, k + o, sizeof a);
+      std::memcpy(&c, v + o, sizeof c);
       acc += a ^ c;
     }
   }
@@ -98,17 +98,18 @@ struct RowPrefetcher {
   }
 };
 
-// Probability-weighted sum of V rows for HT query heads of one KV head, accumulators in registers.
+// Probability-weighted sum of NV vectors of V rows for HT query heads of one KV head,
+// accumulators in registers; head h's sums go to out[h * stride ..].
 template <typename T, int NV, int HT>
 inline void weigh_values(const T* v0, const int64_t* off, int64_t len, const float* const* p,
-                         f16v* out, RowPrefetcher<T>& pf) {
-  f16v acc[HT][NV];
+                         vf* out, int64_t stride, RowPrefetcher<T>& pf) {
+  vf acc[HT][NV];
   for (int h = 0; h < HT; ++h)
-    for (int j = 0; j < NV; ++j) acc[h][j] = f16v{};
+    for (int j = 0; j < NV; ++j) acc[h][j] = vf{};
   for (int64_t l = 0; l < len; ++l) {
     pf.step();
     const T* v = v0 + off[l];
-    f16v vr[NV];
+    vf vr[NV];
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) vr[j] = load(v + j * W);
 #pragma GCC unroll 4
@@ -119,23 +120,36 @@ inline void weigh_values(const T* v0, const int64_t* off, int64_t len, const flo
     }
   }
   for (int h = 0; h < HT; ++h)
-    for (int j = 0; j < NV; ++j) out[h * NV + j] = acc[h][j];
+    for (int j = 0; j < NV; ++j) out[h * stride + j] = acc[h][j];
 }
 
+// Vectors of a head's value sum that one pass keeps in registers (a head of more takes several
+// passes over its V rows, which come from L1/L2 after the first), and query heads per pass.
+template <int NV>
+constexpr int kValueCols = NV < kAccVecs ? NV : kAccVecs;
+template <int NV>
+constexpr int kValueHeads = std::clamp(kAccVecs / NV, 1, 4);
+
+// n (<= kValueHeads) query heads' value sums, kValueCols<NV> vectors per pass.
 template <typename T, int NV>
 void weigh_values_n(int n, const T* v0, const int64_t* off, int64_t len, const float* const* p,
-                    f16v* out, RowPrefetcher<T>& pf) {
-  switch (n) {
-    case 1: return weigh_values<T, NV, 1>(v0, off, len, p, out, pf);
-    case 2: return weigh_values<T, NV, 2>(v0, off, len, p, out, pf);
-    case 3: return weigh_values<T, NV, 3>(v0, off, len, p, out, pf);
-    default: return weigh_values<T, NV, 4>(v0, off, len, p, out, pf);
+                    vf* out, RowPrefetcher<T>& pf) {
+  constexpr int C = kValueCols<NV>;
+  for (int c = 0; c < NV; c += C) {
+    const T* vc = v0 + c * W;
+    vf* oc = out + c;
+    switch (n) {
+      case 1: weigh_values<T, C, 1>(vc, off, len, p, oc, NV, pf); break;
+      case 2: weigh_values<T, C, 2>(vc, off, len, p, oc, NV, pf); break;
+      case 3: weigh_values<T, C, 3>(vc, off, len, p, oc, NV, pf); break;
+      default: weigh_values<T, C, 4>(vc, off, len, p, oc, NV, pf); break;
+    }
   }
 }
 
 // One task per sequence on torch's OpenMP team. Its K/V rows are already on their way to L2
 // (`touch_rows` for a thread's first, `RowPrefetcher` during the one before for the rest), then
-// per KV head: scores for 16 keys at a time (every query head of the group against the same K
+// per KV head: scores for W keys at a time (every query head of the group against the same K
 // rows, read from L1 after the first; bf16 rows go to VDPBF16PS where the CPU has it, else are
 // widened to float32 once per block, not once per head), a vectorised softmax, then the values
 // weighed with the group's accumulators in registers.
@@ -144,7 +158,7 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
             const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
             int64_t hkv, int64_t page_size, int64_t max_pages, float scale) {
   constexpr int64_t dim = NV * W;
-  constexpr int HT_MAX = NV >= 16 ? 1 : (NV >= 8 ? 2 : 4);
+  constexpr int HT_MAX = kValueHeads<NV>;
   const int64_t group = hq / hkv;
   const int64_t row = hkv * dim;          // one token of one plane (K or V) of a page
   const int64_t plane = page_size * row;  // K or V of one page
@@ -162,18 +176,18 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
     }
   };
   const int64_t line_steps = (row * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  const int64_t value_passes = hkv * ((group + HT_MAX - 1) / HT_MAX);
+  const int64_t value_passes = hkv * ((group + HT_MAX - 1) / HT_MAX) * (NV / kValueCols<NV>);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<int64_t> off, next_off;
     // The VDPBF16PS path reads keys in place and q as bf16: no widened block, no float q.
-    std::vector<float> scores, kblock(kDotBf16 ? 0 : 16 * dim);
-    std::vector<f16v> qv(kDotBf16 ? 0 : hq * NV), acc(hq * NV);
+    std::vector<float> scores, kblock(kDotBf16 ? 0 : W * dim);
+    std::vector<vf> qv(kDotBf16 ? 0 : hq * NV), acc(hq * NV);
 #if defined(__AVX512BF16__)
     std::vector<__m512bh> qb(kDotBf16 ? hq * NV / 2 : 0);
 #endif
     std::vector<float> inv(hq);
-    const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi lane = lane_index();
     int64_t b = claimed.fetch_add(1);
     if (b < batch) {
       offsets(b, off);
@@ -184,7 +198,7 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
       const int64_t next_len = nb < batch ? lens[nb] : 0;
       if (nb < batch) offsets(nb, next_off);
       const int64_t len = lens[b];
-      // One prefetch step per value row weighed, and 16 per block of scores (its 16 keys).
+      // One prefetch step per value row weighed, and W per block of scores (its W keys).
       const int64_t steps =
           std::max<int64_t>(1, value_passes * len + hkv * ((len + W - 1) / W) * W);
       RowPrefetcher<T> pf{reinterpret_cast<const char*>(kv), next_off.data(), next_len,
@@ -210,8 +224,8 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
           const int64_t n = std::min<int64_t>(W, len - l0);
 #if defined(__AVX512BF16__)
           if constexpr (kDotBf16) {
-            const c10::BFloat16* kb[16];
-            for (int64_t t = 0; t < 16; ++t) kb[t] = kbase + off[l0 + (t < n ? t : 0)];
+            const c10::BFloat16* kb[W];
+            for (int64_t t = 0; t < W; ++t) kb[t] = kbase + off[l0 + (t < n ? t : 0)];
             for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
               float* sh = scores.data() + h * padded + l0;
               store(sh, block_scores_bf16<NV>(qb.data() + h * (NV / 2), kb) * scale);
@@ -221,8 +235,8 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
             continue;
           }
 #endif
-          const float* kp[16];
-          for (int64_t t = 0; t < 16; ++t) {
+          const float* kp[W];
+          for (int64_t t = 0; t < W; ++t) {
             const T* k = kbase + off[l0 + (t < n ? t : 0)];
             if constexpr (std::is_same_v<T, float>) {
               kp[t] = k;
@@ -243,17 +257,17 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
       const int64_t tail = len - (padded - W);  // real keys in the last block
       for (int64_t h = 0; h < hq; ++h) {
         float* sh = scores.data() + h * padded;
-        f16v m = load(sh);
+        vf m = load(sh);
         for (int64_t c = W; c < padded; c += W) {
-          const f16v v = load(sh + c);
+          const vf v = load(sh + c);
           m = v > m ? v : m;
         }
         float mx = m[0];
         for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
-        f16v sum = f16v{};
+        vf sum = vf{};
         for (int64_t c = 0; c < padded; c += W) {
-          f16v e = vexp(load(sh + c) - mx);
-          if (c + W == padded) e = lane < static_cast<int32_t>(tail) ? e : f16v{};
+          vf e = vexp(load(sh + c) - mx);
+          if (c + W == padded) e = lane < static_cast<int32_t>(tail) ? e : vf{};
           store(sh + c, e);
           sum += e;
         }
@@ -283,10 +297,12 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
 // q_start[b] .. + q_len[b] of q, the last q_len[b] of its kv_len[b] positions. One task per
 // (sequence, KV head, block of PF_ROWS query rows), handed out dynamically since later rows see
 // more keys: the task widens its keys once into float32 K^T [D, keys] and V [keys, D], then
-// for 4 query rows of a head at a time takes 16 scores per pass over D (one K load feeds 4
-// FMAs), a softmax in float32, and the value sum with 4 x D/16 accumulators in registers.
+// for 4 query rows of a head at a time takes 2W scores per pass over D (one K load feeds 4
+// FMAs), a softmax in float32, and the value sum with 4 x PC accumulators in registers
+// (as many passes over the keys as that takes to cover D).
 constexpr int64_t PF_ROWS = 32;
 constexpr int PF_R = 4;
+constexpr int PF_S = 2;  // key vectors per float32 score pass: 8 FMA chains, FMA's latency hidden
 
 template <typename T, int NV>
 void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* table,
@@ -294,6 +310,8 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
              const int64_t* q_lens, int64_t batch, T* out, int64_t hq, int64_t hkv,
              int64_t page_size, float scale) {
   constexpr int64_t D = NV * W;
+  constexpr int PC = std::min(NV, std::max(1, kAccVecs / PF_R));  // value vectors per pass
+  static_assert(NV % PC == 0);
   // bf16 scores by VDPBF16PS where the CPU has it, on a K^T of bf16 pairs.
   constexpr bool kDotBf16 = kHasDotBf16 && std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
   const int64_t group = hq / hkv, head_row = hkv * D;
@@ -306,7 +324,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
   for (int64_t it = 0; it < n_items; ++it) {
     const int64_t b = items[3 * it], hk = items[3 * it + 1], r0 = items[3 * it + 2];
     const int64_t n = q_lens[b], first = kv_lens[b] - n, r1 = std::min(n, r0 + PF_ROWS);
-    const int64_t keys = first + r1, lp = (keys + W - 1) / W * W;
+    const int64_t keys = first + r1, lp = round_up(keys, PF_S * W);
     const int64_t* pt = table + b * max_pages;
     auto key_row = [&](int64_t l, int64_t plane) {
       return kv + ((pt[l / page_size] * 2 + plane) * page_size + l % page_size) * head_row +
@@ -314,9 +332,9 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
     };
     // Per-thread, grow-only: a long prompt's K^T / V run to megabytes, fresh ones per task
     // would be mapped and faulted in every time. Only K^T's padding columns need zeros.
-    thread_local std::vector<float> kt, vf, sc;
+    thread_local std::vector<float> kt, vt, sc;
     thread_local std::vector<uint32_t> kt2;
-    vf.resize(std::max<size_t>(vf.size(), keys * D));
+    vt.resize(std::max<size_t>(vt.size(), keys * D));
     sc.resize(std::max<size_t>(sc.size(), PF_R * lp));
     if constexpr (kDotBf16) {  // K^T as bf16 pairs: kt2[p][l] = (k[l][2p], k[l][2p + 1])
       kt2.resize(std::max<size_t>(kt2.size(), D / 2 * lp));
@@ -335,7 +353,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
       for (int64_t l = 0; l < keys; ++l) {
         const T* k = key_row(l, 0);
         for (int64_t c = 0; c < NV; ++c) {
-          const f16v kc = load(k + c * W);
+          const vf kc = load(k + c * W);
           for (int e = 0; e < W; ++e) dst[(c * W + e) * lp + l] = kc[e];
         }
       }
@@ -343,7 +361,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
     // Plain pointers to the thread_local storage, looked up once per task: inside the loops
     // each access to a thread_local of this shared library is a TLS lookup (the key loop of the
     // values ran 1.5x slower that way).
-    float* const vfp = vf.data();
+    float* const vfp = vt.data();
     float* const scp = sc.data();
     const uint32_t* const kt2p = kt2.data();
     const float* const ktp = kt.data();
@@ -386,7 +404,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
             }
             for (int i = 0; i < PF_R; ++i)
               for (int c = 0; c < 3; ++c)
-                store(scp + i * lp + j + c * W, (f16v)acc[i][c] * scale);
+                store(scp + i * lp + j + c * W, (vf)acc[i][c] * scale);
           }
           for (; j < hi; j += W) {
             __m512 acc[PF_R];
@@ -398,7 +416,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
               for (int i = 0; i < PF_R; ++i)
                 acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(qp[i][p]), kd);
             }
-            for (int i = 0; i < PF_R; ++i) store(scp + i * lp + j, (f16v)acc[i] * scale);
+            for (int i = 0; i < PF_R; ++i) store(scp + i * lp + j, (vf)acc[i] * scale);
           }
         }
 #endif
@@ -406,15 +424,18 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
           float qv[PF_R][D];
           for (int i = 0; i < PF_R; ++i)
             for (int64_t d = 0; d < D; ++d) qv[i][d] = static_cast<float>(qr[i][d]);
-          for (int64_t j = 0; j < hi; j += W) {
-            f16v acc[PF_R] = {};
+          for (int64_t j = 0; j < hi; j += PF_S * W) {
+            vf acc[PF_R][PF_S] = {};
 #pragma GCC unroll 8
             for (int64_t d = 0; d < D; ++d) {
-              const f16v kd = load(ktp + d * lp + j);
+              vf kd[PF_S];
+              for (int c = 0; c < PF_S; ++c) kd[c] = load(ktp + d * lp + j + c * W);
 #pragma GCC unroll 4
-              for (int i = 0; i < PF_R; ++i) acc[i] += qv[i][d] * kd;
+              for (int i = 0; i < PF_R; ++i)
+                for (int c = 0; c < PF_S; ++c) acc[i][c] += qv[i][d] * kd[c];
             }
-            for (int i = 0; i < PF_R; ++i) store(scp + i * lp + j, acc[i] * scale);
+            for (int i = 0; i < PF_R; ++i)
+              for (int c = 0; c < PF_S; ++c) store(scp + i * lp + j + c * W, acc[i][c] * scale);
           }
         }
         float inv[PF_R];
@@ -423,16 +444,16 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
           const int64_t lim = i < nr ? first + i0 + i + 1 : 0;  // keys row i sees
           float mx = -INFINITY;
           const int64_t vec_lim = lim / W * W;
-          f16v m = f16v{} - INFINITY;
+          vf m = vf{} - INFINITY;
           for (int64_t j = 0; j < vec_lim; j += W) {
-            const f16v x = load(row + j);
+            const vf x = load(row + j);
             m = x > m ? x : m;
           }
           for (int e = 0; e < W; ++e) mx = std::max(mx, m[e]);
           for (int64_t j = vec_lim; j < lim; ++j) mx = std::max(mx, row[j]);
-          f16v sum = f16v{};
+          vf sum = vf{};
           for (int64_t j = 0; j < vec_lim; j += W) {
-            const f16v e = vexp(load(row + j) - mx);
+            const vf e = vexp(load(row + j) - mx);
             store(row + j, e);
             sum += e;
           }
@@ -441,22 +462,24 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
           for (int64_t j = lim; j < hi; ++j) row[j] = 0.f;
           inv[i] = lim > 0 ? 1.f / total : 0.f;
         }
-        f16v o[PF_R][NV] = {};
-        for (int64_t j = 0; j < hi; ++j) {
-          const float* vr = vfp + j * D;
-          f16v vv[NV];
+        for (int c = 0; c < NV; c += PC) {
+          vf o[PF_R][PC] = {};
+          for (int64_t j = 0; j < hi; ++j) {
+            const float* vr = vfp + j * D + c * W;
+            vf vv[PC];
 #pragma GCC unroll 16
-          for (int v = 0; v < NV; ++v) vv[v] = load(vr + v * W);
+            for (int v = 0; v < PC; ++v) vv[v] = load(vr + v * W);
 #pragma GCC unroll 4
-          for (int i = 0; i < PF_R; ++i) {
-            const float pj = scp[i * lp + j];
+            for (int i = 0; i < PF_R; ++i) {
+              const float pj = scp[i * lp + j];
 #pragma GCC unroll 16
-            for (int v = 0; v < NV; ++v) o[i][v] += pj * vv[v];
+              for (int v = 0; v < PC; ++v) o[i][v] += pj * vv[v];
+            }
           }
-        }
-        for (int i = 0; i < nr; ++i) {
-          T* dst = out + ((q_starts[b] + i0 + i) * hq + h) * D;
-          for (int v = 0; v < NV; ++v) store(dst + v * W, o[i][v] * inv[i]);
+          for (int i = 0; i < nr; ++i) {
+            T* dst = out + ((q_starts[b] + i0 + i) * hq + h) * D + c * W;
+            for (int v = 0; v < PC; ++v) store(dst + v * W, o[i][v] * inv[i]);
+          }
         }
       }
     }
@@ -472,11 +495,11 @@ void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
 #define DECODE(NV) \
   decode<T, NV>(q, qs0, qs1, kv, table, lens, out, batch, hq, hkv, page_size, max_pages, scale)
   switch (dim) {
-    case 16: return DECODE(1);
-    case 32: return DECODE(2);
-    case 64: return DECODE(4);
-    case 128: return DECODE(8);
-    case 256: return DECODE(16);
+    case 16: return DECODE(16 / W);
+    case 32: return DECODE(32 / W);
+    case 64: return DECODE(64 / W);
+    case 128: return DECODE(128 / W);
+    case 256: return DECODE(256 / W);
     default: TORCH_CHECK(false, "paged_decode: head_dim must be 16, 32, 64, 128 or 256");
   }
 #undef DECODE
@@ -491,11 +514,11 @@ void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
   prefill<T, NV>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts, q_lens, batch, out, hq, \
                  hkv, page_size, scale)
   switch (dim) {
-    case 16: return PREFILL(1);
-    case 32: return PREFILL(2);
-    case 64: return PREFILL(4);
-    case 128: return PREFILL(8);
-    case 256: return PREFILL(16);
+    case 16: return PREFILL(16 / W);
+    case 32: return PREFILL(32 / W);
+    case 64: return PREFILL(64 / W);
+    case 128: return PREFILL(128 / W);
+    case 256: return PREFILL(256 / W);
     default: TORCH_CHECK(false, "paged_prefill: head_dim must be 16, 32, 64, 128 or 256");
   }
 #undef PREFILL

@@ -9,8 +9,8 @@ namespace {
 // x1 * c - x2 * s and x2 * c + x1 * s with every product and sum rounded on its own to T:
 // bit-identical to the same expression in torch ops on T tensors (`store` rounds the sums).
 template <typename T>
-inline void rotate16(T* x1, T* x2, f16v cv, f16v sv) {
-  const f16v a = load(x1), b = load(x2);
+inline void rotate_vec(T* x1, T* x2, vf cv, vf sv) {
+  const vf a = load(x1), b = load(x2);
   store(x1, narrow<T>(rounded(a * cv)) - narrow<T>(rounded(b * sv)));
   store(x2, narrow<T>(rounded(b * cv)) + narrow<T>(rounded(a * sv)));
 }
@@ -34,10 +34,10 @@ void rotate_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t 
       const T* s = sin + t * half;
       T* xt = x + t * row_stride;
       for (int64_t i = 0; i < vec_end; i += W) {
-        const f16v cv = load(c + i), sv = load(s + i);
+        const vf cv = load(c + i), sv = load(s + i);
         for (int64_t h = 0; h < heads; ++h) {
           T* x1 = xt + h * 2 * half + i;
-          rotate16(x1, x1 + half, cv, sv);
+          rotate_vec(x1, x1 + half, cv, sv);
         }
       }
       for (int64_t h = 0; h < heads; ++h)
@@ -58,9 +58,9 @@ void add_rms_norm_rows(T* xs, T* rs, const T* w, int64_t rows, int64_t hidden, f
     for (int64_t t = begin; t < end; ++t) {
       T* xr = xs + t * hidden;
       T* rr = rs + t * hidden;
-      f16v acc = f16v{};
+      vf acc = vf{};
       for (int64_t i = 0; i < vec_end; i += W) {
-        const f16v r = narrow<T>(load(rr + i) + load(xr + i));
+        const vf r = narrow<T>(load(rr + i) + load(xr + i));
         store(rr + i, r);
         acc += r * r;
       }
@@ -91,7 +91,7 @@ void silu_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
       const T* up = gate + inter;
       T* dst = o + t * inter;
       for (int64_t i = 0; i < vec_end; i += W) {
-        const f16v g = load(gate + i);
+        const vf g = load(gate + i);
         store(dst + i, narrow<T>(g / (1.f + vexp(-g))) * load(up + i));
       }
       for (int64_t i = vec_end; i < inter; ++i) {

@@ -8,7 +8,7 @@ namespace mstar_cpu {
 
 // Argmax of each row of x [n, V] (float32 or bf16, row-contiguous): the first index of the row's
 // maximum, or of its first NaN, as torch.argmax answers. bf16 widens exactly, so a bf16 row's
-// answer is its float32 copy's: greedy sampling needs no float32 logits. One row per task, 16
+// answer is its float32 copy's: greedy sampling needs no float32 logits. One row per task, W
 // lanes per compare.
 template <typename T>
 void argmax_rows_of(const T* xs, int64_t rows, int64_t vocab, int64_t stride, int64_t* o) {
@@ -16,12 +16,12 @@ void argmax_rows_of(const T* xs, int64_t rows, int64_t vocab, int64_t stride, in
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xs + r * stride;
-      f16v best = f16v{} - INFINITY;
-      i16v best_i = i16v{}, idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      i16v nan = i16v{};
+      vf best = vf{} - INFINITY;
+      vi best_i = vi{}, idx = lane_index();
+      vi nan = vi{};
       for (int64_t i = 0; i < vec_end; i += W, idx += static_cast<int32_t>(W)) {
-        const f16v v = load(row + i);
-        const i16v up = v > best;
+        const vf v = load(row + i);
+        const vi up = v > best;
         best = up ? v : best;
         best_i = up ? idx : best_i;
         nan |= v != v;
@@ -65,9 +65,9 @@ void sample_rows_of(const float* xs, int64_t rows, int64_t vocab, int64_t stride
     std::vector<double> chunk((vocab + W - 1) / W);
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xs + r * stride;
-      f16v mv = f16v{} - INFINITY;
+      vf mv = vf{} - INFINITY;
       for (int64_t i = 0; i < vec_end; i += W) {
-        const f16v v = load(row + i);
+        const vf v = load(row + i);
         mv = v > mv ? v : mv;
       }
       float mx = -INFINITY;
@@ -85,9 +85,9 @@ void sample_rows_of(const float* xs, int64_t rows, int64_t vocab, int64_t stride
       }
       double total = 0;
       for (int64_t i = 0, c = 0; i < vec_end; i += W, ++c) {
-        const f16v v = load(row + i);
-        f16v p = vexp(v - mx);
-        p = v > -INFINITY ? p : f16v{};  // -inf and NaN lanes weigh nothing
+        const vf v = load(row + i);
+        vf p = vexp(v - mx);
+        p = v > -INFINITY ? p : vf{};  // -inf and NaN lanes weigh nothing
         store(e.data() + i, p);
         chunk[c] = hsum(p);
         total += chunk[c];
