@@ -127,12 +127,23 @@ def test_attention_bits_same_in_prompt_chunk_and_decode(head_dim: int) -> None:
     assert torch.equal(mixed[2:], whole[20:])
     default = TorchPagedAttention()
     d_whole = attend(default, pool, q, chunk_plan(pages, ps, 0, n))
-    d_steps = torch.cat(
-        [attend(default, pool, q[s : s + 1], chunk_plan(pages, ps, s, 1)) for s in range(n)]
-    )
-    if head_dim == 64:  # SmolLM2's (at 32 the outputs' bf16 rounding hid the differences)
-        assert not torch.equal(d_whole, d_steps)
     torch.testing.assert_close(whole.float(), d_whole.float(), atol=0.02, rtol=0.02)
+    if head_dim == 64:  # SmolLM2's (at 32 the outputs' bf16 rounding hid the differences)
+        # The default prompt and decode kernels differ for some queries (which ones depends on
+        # the ISA level the session loaded): what the deterministic mode exists for.
+        differ = []
+        for seed in (1, 2, 3):
+            qs = torch.randn(n, 6, head_dim, generator=torch.Generator().manual_seed(seed))
+            qs = qs.to(BF16)
+            d_whole = attend(default, pool, qs, chunk_plan(pages, ps, 0, n))
+            d_steps = torch.cat(
+                [
+                    attend(default, pool, qs[s : s + 1], chunk_plan(pages, ps, s, 1))
+                    for s in range(n)
+                ]
+            )
+            differ.append(not torch.equal(d_whole, d_steps))
+        assert any(differ)
 
 
 def test_tiny_model_logits_same_bits_however_the_steps_split(tmp_path: Path) -> None:
