@@ -413,9 +413,9 @@ def run_serve(
     args: argparse.Namespace, folder: str, report: Report, offline: dict[str, dict[int, float]]
 ) -> dict[str, int]:
     ours, rss_ours = serve_engine("mstar", folder, args)
-    peers = {} if args.no_vllm else {"vLLM-CPU": "vllm"}
+    peers = {"mstar fixed budget": "mstar-fixed"} if args.fixed_budget else {}
+    peers |= {} if args.no_vllm else {"vLLM-CPU": "vllm"}
     peers |= {"llama.cpp": "llama.cpp"} if args.llama_cpp else {}
-    peers |= {"mstar fixed budget": "mstar-fixed"} if args.fixed_budget else {}
     theirs, rss = {}, {"mstar": rss_ours}
     for label, kind in peers.items():
         theirs[label], rss[label] = serve_engine(kind, folder, args)
