@@ -51,7 +51,7 @@ def test_prompt_chunks_stretch_a_step_at_most_by_the_stall_factor():
     """More streams than prompts: a step with prompt chunks stays within the stall bound."""
     budget = StepBudget(cap=2048, model=_fitted())
     for decode_rows in (8, 16, 32, 48):
-        tokens = budget.tokens(decode_rows, [1024] * 4)
+        tokens = budget.tokens(decode_rows, 4, pending_prompt=4096, head_prompt=1024)
         prompt = tokens - decode_rows
         decode_step = _seconds(decode_rows, 0)
         limit = max(budget.stall_factor * decode_step, budget.min_step_seconds)
@@ -59,47 +59,42 @@ def test_prompt_chunks_stretch_a_step_at_most_by_the_stall_factor():
         assert _seconds(decode_rows, prompt) <= limit * 1.1
 
 
-def _burst_mean_ttft(chunk: int, prompts: int, length: int, decoding: int) -> float:
-    """Simulated: ``prompts`` prompts of ``length`` tokens prefilled FCFS in ``chunk``-token
-    steps beside ``decoding`` streams, each finished prompt decoding in every later step."""
-    now, done, left, ttfts = 0.0, 0, prompts * length, []
-    while left > 0:
-        take = min(chunk, left)
-        now += _seconds(decoding + done, take)
-        left -= take
-        while done < prompts and (done + 1) * length <= prompts * length - left:
-            done += 1
-            ttfts.append(now)
-    return sum(ttfts) / len(ttfts)
-
-
 def test_a_burst_is_absorbed_in_mean_ttft_optimal_chunks():
-    """As many requests waiting as decoding: the chunk is within a few percent of the one that
-    minimises the burst's mean time to first token (simulated with the true step costs,
-    finished prompts joining the decode rows), even where the stall bound would allow less."""
+    """As many requests waiting as decoding: the chunk is sqrt(P * overhead / per_token), which
+    minimises the queue's mean wait (overhead + c * per_token) * (P / c + 1) / 2 over c, even where
+    the stall bound would allow less."""
     budget = StepBudget(cap=8192, model=_fitted())
-    for decode_rows, prompts in ((0, 32), (12, 20), (0, 8)):
-        chunk = budget.tokens(decode_rows, [128] * prompts) - decode_rows
-        best = min(_burst_mean_ttft(c, prompts, 128, decode_rows) for c in range(32, 4096, 16))
-        assert _burst_mean_ttft(chunk, prompts, 128, decode_rows) <= best * 1.05
-    stalled = budget.tokens(13, [128] * 12) - 13
-    assert _seconds(13, stalled) <= budget.stall_factor * _seconds(13, 0) * 1.1
+    per_token = budget.model.coef[2]
+    for decode_rows, prompts in ((0, 32), (12, 20)):
+        pending = prompts * 128
+        overhead = budget.model.predict(decode_rows, 0)
+        chunk = budget.tokens(decode_rows, prompts, pending, head_prompt=128) - decode_rows
+
+        def mean_wait(c: int, pending: int = pending, overhead: float = overhead) -> float:
+            return (overhead + c * per_token) * (pending / c + 1) / 2
+
+        assert chunk == int(math.sqrt(pending * overhead / per_token))
+        assert mean_wait(chunk) <= min(mean_wait(c) for c in range(32, 4096, 8)) * 1.01
+    stalled = budget.tokens(13, 12, 12 * 128, head_prompt=128) - 13
+    assert (
+        _seconds(13, stalled)
+        <= budget.stall_factor * _seconds(13, 0) * 1.1
+        < _seconds(13, int(math.sqrt(12 * 128 * _seconds(13, 0) / budget.model.coef[2])))
+    )
 
 
-def test_a_chunk_ends_on_a_prompt_boundary_where_the_bound_allows():
+def test_the_oldest_prompt_goes_whole_when_the_bound_allows():
     budget = StepBudget(cap=2048, model=_fitted())
-    assert budget.tokens(0, [2000]) == 2000  # nobody decoding: the one prompt goes whole
+    assert budget.tokens(0, 1, pending_prompt=200, head_prompt=200) == 200
     # 8 streams: the bound is ~(3 * 17.6 - 17.6) ms / 0.3 ms = ~117 tokens
-    assert budget.tokens(8, [100]) == 108
-    assert budget.tokens(8, [300]) < 8 + 300
-    # a burst of 100-token prompts: the square-root chunk (~320) grows to the 4th prompt's end
-    assert budget.tokens(0, [100] * 20) == 400
+    assert budget.tokens(8, 1, pending_prompt=100, head_prompt=100) == 108
+    assert budget.tokens(8, 1, pending_prompt=300, head_prompt=300) < 8 + 300
 
 
 def test_the_budget_stays_within_its_floor_and_cap():
     budget = StepBudget(cap=256, model=_fitted())
-    assert budget.tokens(0, [1000] * 100) == 256
+    assert budget.tokens(0, 100, pending_prompt=100_000, head_prompt=1000) == 256
     slow = StepBudget(cap=2048, min_tokens=32)
     slow.model.coef = (0.001, 0.0001, 0.01)  # prompt tokens so dear the bound allows ~4
-    assert slow.tokens(40, [5000]) == 40 + 32
-    assert budget.tokens(10, []) == 256
+    assert slow.tokens(40, 1, pending_prompt=5000, head_prompt=5000) == 40 + 32
+    assert budget.tokens(10, 0, pending_prompt=0, head_prompt=0) == 256

@@ -173,7 +173,7 @@ class Scheduler:
         """This step's token budget: fixed, or from the measured step costs (`StepBudget`)."""
         if self.step_budget is None:
             return self.config.max_num_batched_tokens
-        decode_rows, pending = 0, []
+        decode_rows = prompts = pending = head = 0
         for req in self.running:
             n = req.num_uncomputed
             if req.hold_until > now or n <= 0:
@@ -181,11 +181,15 @@ class Scheduler:
             if n == 1:
                 decode_rows += 1
             else:
-                pending.append(n)
+                prompts += 1
+                pending += n
+                head = head or n
         if not self.offloaded:
             for req in itertools.islice(self.waiting, self.config.max_num_seqs):
-                pending.append(req.num_uncomputed)
-        return self.step_budget.tokens(decode_rows, pending)
+                prompts += 1
+                pending += req.num_uncomputed
+                head = head or req.num_uncomputed
+        return self.step_budget.tokens(decode_rows, prompts, pending, head)
 
     def observe_cost(self, batch: ScheduledBatch, seconds: float) -> None:
         """Feed an executed step's time to the adaptive budget's cost model."""

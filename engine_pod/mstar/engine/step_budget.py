@@ -16,23 +16,18 @@ make it singular). `StepBudget` turns the fit into the next step's token budget:
   token's cost change with the machine, the dtype and the batch. In a burst (as many requests
   waiting as decoding) the waiting ones are the majority and the bound yields to the next rule.
 - **Burst absorption** (few steps for a queue of prompts): under that bound, the chunk that
-  minimises the queue's mean time to first token. With ``N`` prompts of ``P`` tokens in all
-  queued, ``c`` prompt tokens per step, every step paying ``overhead`` (base plus its decode rows)
-  and each finished prompt adding a decode row (``per_decode``) to every later step, the mean
-  wait is about ``P * (overhead + per_decode * N / 3) / (2 c) + c * per_prompt / 2`` plus terms
-  free of ``c``, least at ``c = sqrt(P * (overhead + per_decode * N / 3) / per_prompt)``: larger
-  steps pay the overhead less often, smaller ones let the queue's head start sooner. The chunk
-  then grows to end on a prompt's last token where the bound allows (a prompt cut short gains
-  nothing from its partial chunk).
+  minimises the queue's mean time to first token. With ``P`` prompt tokens queued, every step
+  paying ``overhead`` (base plus the decode rows) and ``c`` prompt tokens per step, the mean wait is
+  about ``(overhead + c * per_prompt) * (P / c + 1) / 2``, least at ``c = sqrt(P * overhead /
+  per_prompt)``: larger steps pay the overhead less often, smaller ones let the queue's head start
+  sooner. The oldest prompt is never split when the bound lets it go whole.
 - Never fewer than ``min_tokens`` prompt tokens (prompts always progress), never above the cap
   (``--max-num-batched-tokens``).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,26 +85,22 @@ class StepBudget:
     min_tokens: int = 32
     model: StepCostModel = field(default_factory=StepCostModel)
 
-    def tokens(self, decode_rows: int, pending: Sequence[int]) -> int:
-        """Budget for a step with ``decode_rows`` streams decoding and ``pending`` the prompt
-        tokens each request still has to prefill (running chunks, then waiting prompts, oldest
-        first)."""
-        total = sum(pending)
-        if total <= 0:
+    def tokens(self, decode_rows: int, prompts: int, pending_prompt: int, head_prompt: int) -> int:
+        """Budget for a step with ``decode_rows`` streams decoding and ``prompts`` requests still
+        to prefill ``pending_prompt`` tokens (running chunks and waiting prompts), ``head_prompt``
+        of them the oldest's."""
+        if pending_prompt <= 0:
             return self.cap
-        base, per_decode, per_prompt = self.model.coef
+        base, _, per_prompt = self.model.coef
         overhead = self.model.predict(decode_rows, 0)
-        if decode_rows > len(pending):
+        if decode_rows > prompts:
             # More streams than prompts: their pace is what most users see; bound the stall.
             allowed = max(self.stall_factor * overhead, self.min_step_seconds) - overhead
             bound = int(allowed / per_prompt)
         else:
             bound = self.cap  # a burst: most requests are waiting for their first token
-        step_cost = max(overhead, base) + per_decode * len(pending) / 3
-        chunk = int(math.sqrt(total * step_cost / per_prompt))
-        # A prompt cut short gets nothing from its partial chunk: end on a prompt's last token.
-        ends = itertools.accumulate(pending)
-        chunk = next((end for end in ends if end >= chunk and end <= bound), chunk)
+        absorb = int(math.sqrt(pending_prompt * max(overhead, base) / per_prompt))
+        chunk = max(absorb, head_prompt) if head_prompt <= bound else absorb
         chunk = max(min(chunk, bound), self.min_tokens)
         return max(1, min(decode_rows + chunk, self.cap))
 
