@@ -324,7 +324,8 @@ def tree_peak_rss(pid: int) -> int:
     return total
 
 
-def bench_serve(url: str, folder: str, name: str, conc: int, args: argparse.Namespace) -> dict:
+def bench_serve_once(url: str, folder: str, name: str, conc: int, args: argparse.Namespace) -> dict:
+    """One `vllm bench serve` run; its result JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             vllm_python(),
@@ -350,14 +351,31 @@ def bench_serve(url: str, folder: str, name: str, conc: int, args: argparse.Name
             "--result-filename=r.json",
         ]
         subprocess.run(cmd, check=True, env=vllm_env(), cwd=tmp, stdout=subprocess.DEVNULL)
-        res = json.loads((Path(tmp) / "r.json").read_text())
-    lens = res.get("output_lens", [])
-    if res["completed"] != max(args.num_prompts, conc) or any(n != args.new_tokens for n in lens):
-        errors = sorted({e for e in res.get("errors", []) if e})[:3]
-        raise SystemExit(
-            f"{url}: {res['completed']} completed, output lengths {set(lens)}, errors {errors}"
-        )
-    return res
+        return json.loads((Path(tmp) / "r.json").read_text())
+
+
+#: a run with a failed request is rerun this many times before the benchmark gives up
+SERVE_RETRIES = 2
+
+
+def bench_serve(url: str, folder: str, name: str, conc: int, args: argparse.Namespace) -> dict:
+    """One complete run: every request answered with ``--new-tokens`` tokens.
+
+    A run with a failed request is rerun: llama-server closes keep-alive connections idle for
+    5 s, and the client's pool can reuse one as it closes ("Can not write request body"), a
+    race in the client, not a refusal by the engine. Each rerun is printed; a run that still
+    fails stops the benchmark with the errors.
+    """
+    want = max(args.num_prompts, conc)
+    for attempt in range(1 + SERVE_RETRIES):
+        res = bench_serve_once(url, folder, name, conc, args)
+        lens = res.get("output_lens", [])
+        if res["completed"] == want and all(n == args.new_tokens for n in lens):
+            return res
+        errors = sorted({e.strip().splitlines()[-1] for e in res.get("errors", []) if e})[:3]
+        print(f"{url} c={conc} run {attempt + 1}: {res['completed']}/{want} completed, "
+              f"errors {errors}", flush=True)  # fmt: skip
+    raise SystemExit(f"{url}: {res['completed']}/{want} completed, errors {errors}")
 
 
 def serve_engine(kind: str, folder: str, args: argparse.Namespace) -> tuple[dict, int]:
@@ -526,8 +544,8 @@ def main() -> None:
         "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
         "them by vLLM, the API server in its own process). transformers: torch's default. "
         "llama.cpp: `--threads` = cores, built for this CPU (GGML_NATIVE). "
-        "Step token budgets: each engine's default (mstar on CPU 2048 offline, 512 for its "
-        "server; vLLM-CPU 4096 offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "
+        "Step token budgets: each engine's default (mstar on CPU 2048 offline, its server "
+        "sizes each step from measured step costs (`--step-budget adaptive`); vLLM-CPU 4096 offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "
         "math: mstar runs its linears as float32 GEMMs on float32 copies of the bf16 "
         "weights, vLLM-CPU oneDNN's bf16 kernels.",
     )
