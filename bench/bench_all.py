@@ -545,7 +545,8 @@ def main() -> None:
         "them by vLLM, the API server in its own process). transformers: torch's default. "
         "llama.cpp: `--threads` = cores, built for this CPU (GGML_NATIVE). "
         "Step token budgets: each engine's default (mstar on CPU 2048 offline, its server "
-        "sizes each step from measured step costs (`--step-budget adaptive`); vLLM-CPU 4096 offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "
+        "sizes each step from measured step costs (`--step-budget adaptive`); vLLM-CPU 4096 "
+        "offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "
         "math: mstar runs its linears as float32 GEMMs on float32 copies of the bf16 "
         "weights, vLLM-CPU oneDNN's bf16 kernels.",
     )
