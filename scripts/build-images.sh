@@ -6,8 +6,10 @@
 #                                            #   FlashInfer wheel indexes, see below)
 #   scripts/build-images.sh lock             # re-pin engine_pod/requirements/*.txt, operator/
 #
-# 1. base: `mmdebstrap` makes a Debian bookworm rootfs with Python 3.11 (pinned package
-#    versions), `podman import` turns it into localhost/mstar-base:<hash>.
+# 1. bases: `mmdebstrap` makes a Debian bookworm rootfs with Python 3.11 (pinned package
+#    versions), `podman import` turns it into localhost/mstar-base:<hash>; the engine's build
+#    stage gets a second one with g++ and Python's headers too (localhost/mstar-base-build),
+#    where it compiles the C++ CPU kernels, so the image itself carries no compiler.
 # 2. wheels: `pip download` fetches exactly the pinned wheels (requirements files) into
 #    $MSTAR_CACHE/wheels; the mstar wheel itself is built from this checkout.
 # 3. images: `podman build` runs engine_pod/Dockerfile / operator/Dockerfile with those wheels
@@ -29,6 +31,8 @@ WORK="$CACHE/images"
 MIRROR="${MSTAR_DEBIAN_MIRROR:-http://deb.debian.org}"
 # The base's packages, pinned (bookworm with its updates and security suites).
 BASE_PACKAGES="python3.11=3.11.2-6+deb12u9,python3-venv=3.11.2-1+b1,ca-certificates=20250419~deb12u2,passwd"
+# The engine's build stage: the base's packages and what compiles the kernels (bookworm's GCC 12).
+BUILDER_PACKAGES="$BASE_PACKAGES,g++=4:12.2.0-3,python3.11-dev=3.11.2-6+deb12u9"
 # Both engine images take torch 2.13.0 from PyPI: there it is the CUDA 13.0 build, and it is
 # what the CPU image runs too (PyPI has no CPU-only torch for Linux x86-64; see
 # engine_pod/README.md). --isolated ignores local pip config (find-links holding a local
@@ -62,19 +66,20 @@ source_hash() {
 }
 
 base_image() {
-    local args hash name tar
-    args="bookworm minbase no-docs $BASE_PACKAGES $MIRROR"
+    # $1 repository (localhost/mstar-base, localhost/mstar-base-build), $2 its packages
+    local repo="$1" packages="$2" args hash name tar
+    args="bookworm minbase no-docs $packages $MIRROR"
     hash="$(printf '%s' "$args" | hash_of)"
-    name="localhost/mstar-base:bookworm-$hash"
+    name="$repo:bookworm-$hash"
     if podman_ image exists "$name"; then
         echo "$name"
         return
     fi
     command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed (apt-get install mmdebstrap)"
     tar="$WORK/base-$hash.tar"
-    log "base: mmdebstrap bookworm ($BASE_PACKAGES)"
+    log "base: mmdebstrap bookworm ($packages)"
     # shellcheck disable=SC2016  # $1 is the rootfs, expanded by mmdebstrap's hook shell
-    mmdebstrap --quiet --variant=minbase --include="$BASE_PACKAGES" \
+    mmdebstrap --quiet --variant=minbase --include="$packages" \
         --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
         --dpkgopt='path-exclude=/usr/share/locale/*' \
         --dpkgopt='path-include=/usr/share/locale/locale.alias' \
@@ -86,7 +91,7 @@ base_image() {
     podman_ import --change 'CMD ["/bin/bash"]' "$tar" "$name" >/dev/null
     rm -f "$tar"
     # Older bases (other inputs) go once no image is built on them any more.
-    podman_ images --format '{{.Repository}}:{{.Tag}}' localhost/mstar-base | grep -vx "$name" \
+    podman_ images --format '{{.Repository}}:{{.Tag}}' "$repo" | grep -vx "$name" \
         | xargs -r podman rmi >/dev/null 2>&1 || true
     echo "$name"
 }
@@ -125,11 +130,16 @@ mstar_wheel() {
 }
 
 build() {
-    # $1 image, $2 Dockerfile, $3 requirements dir, $4 REQUIREMENTS build arg, $5 wheel dir
-    local image="$1" dockerfile="$2" reqs="$3" variant="$4" wheel="$5" base ctx inputs old
-    base="$(base_image)"
+    # $1 image, $2 Dockerfile, $3 requirements dir, $4 REQUIREMENTS build arg, $5 wheel dir,
+    # $6 the build stage's base (BUILDER_IMAGE; empty for a Dockerfile without a build stage)
+    local image="$1" dockerfile="$2" reqs="$3" variant="$4" wheel="$5" builder="$6" base ctx
+    local inputs old build_args
+    base="$(base_image localhost/mstar-base "$BASE_PACKAGES")"
+    build_args=(--build-arg BASE_IMAGE="$base" --build-arg REQUIREMENTS="$variant")
+    [ -z "$builder" ] || build_args+=(--build-arg BUILDER_IMAGE="$builder")
     inputs="$( { cat "$dockerfile"; tar -c --sort=name --mtime=@0 -C "$reqs" . ; \
-        printf '%s %s %s' "$base" "$variant" "$(basename "$wheel")"; source_hash; } | hash_of)"
+        printf '%s %s %s %s' "$base" "$builder" "$variant" "$(basename "$wheel")"; source_hash; } \
+        | hash_of)"
     if [ "$(image_hash "$image")" = "$inputs" ]; then
         log "$image is up to date"
         echo "$image"
@@ -144,7 +154,7 @@ build() {
     log "build: $image"
     old="$(podman_ image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
     podman_ build --runtime runc --network none --pull=never --layers=false \
-        --build-arg BASE_IMAGE="$base" --build-arg REQUIREMENTS="$variant" \
+        "${build_args[@]}" \
         --label dev.mstar.inputs="$inputs" -f "$dockerfile" -t "$image" "$ctx" >&2
     rm -rf "$ctx"
     # The image this one replaces (now untagged) would only take disk space.
@@ -215,16 +225,18 @@ for target in "${targets[@]}"; do
             mkdir -p "$WORK/operator-requirements"
             cp operator/requirements.txt "$WORK/operator-requirements/operator.txt"
             build "localhost/mstar-operator:$TAG" operator/Dockerfile \
-                "$WORK/operator-requirements" operator "$wheel" ;;
+                "$WORK/operator-requirements" operator "$wheel" "" ;;
         engine-cpu)
+            builder="$(base_image localhost/mstar-base-build "$BUILDER_PACKAGES")"
             fetch_wheels "$ENGINE_PIP_ARGS" engine_pod/requirements/cpu.txt \
                 engine_pod/requirements/no-deps.txt
             build "localhost/mstar-engine-cpu:$TAG" engine_pod/Dockerfile \
-                "$ROOT/engine_pod/requirements" cpu "$wheel" ;;
+                "$ROOT/engine_pod/requirements" cpu "$wheel" "$builder" ;;
         engine-cuda)
+            builder="$(base_image localhost/mstar-base-build "$BUILDER_PACKAGES")"
             fetch_wheels "$CUDA_PIP_ARGS" engine_pod/requirements/cuda.txt \
                 engine_pod/requirements/no-deps.txt
             build "localhost/mstar-engine:$TAG" engine_pod/Dockerfile \
-                "$ROOT/engine_pod/requirements" cuda "$wheel" ;;
+                "$ROOT/engine_pod/requirements" cuda "$wheel" "$builder" ;;
     esac
 done

@@ -1,6 +1,7 @@
 """The container images, built from this repository by scripts/build-images.sh with no registry,
-run for real: the CPU engine image serves /health and a completion and drains on stop; the
-operator image reconciles the emulated cluster. The Dockerfiles pass hadolint.
+run for real: the CPU engine image serves /health and a completion with its prebuilt C++ kernels
+(no compiler inside: the best level this CPU runs, or the one MSTAR_CPU_ISA names) and drains on
+stop; the operator image reconciles the emulated cluster. The Dockerfiles pass hadolint.
 
 The first build took 9 minutes on 2 busy cores (load ~11; base rootfs, 3.5 GB of pinned wheels,
 torch's CUDA libraries included, both images); the script labels each image with a hash of its
@@ -26,6 +27,8 @@ from chart_render import granted_rules
 from external_tools import require_tool
 from kube_emulator import EmulatedCluster
 from op_harness import ROOT, Kubectl, free_port, operator_calls, wait_for
+
+from mstar.kernels import cpu_isa
 
 TOOLS = ("podman", "mmdebstrap", "runc")
 BUILD_TIMEOUT = 1500
@@ -109,24 +112,40 @@ def _get(url: str) -> tuple[int, Any]:
         return err.code, json.loads(err.read() or b"{}")
 
 
-@needs_builders
-def test_cpu_engine_image_serves_a_completion_and_drains(
-    images: None, containers: list[Container]
-) -> None:
+def _start_engine(containers: list[Container], *options: str) -> tuple[Container, int, Any]:
+    """A CPU engine container, once its /health answers 200: (it, its port, that answer)."""
     port = free_port()
-    engine = Container(ENGINE, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu")
+    engine = Container(ENGINE, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                       options=options)  # fmt: skip
     containers.append(engine)
     url = f"http://127.0.0.1:{port}"
+    health: list[Any] = []
 
     def healthy() -> bool:
         engine.running()
         try:
-            return _get(url + "/health")[0] == 200
+            status, body = _get(url + "/health")
         except OSError:
             return False
+        health.append(body)
+        return status == 200
 
     # The packaged SmolLM2 is converted and loaded on first start inside the container.
     wait_for(healthy, "the engine container's /health", timeout=240)
+    return engine, port, health[-1]
+
+
+@needs_builders
+def test_cpu_engine_image_serves_a_completion_and_drains(
+    images: None, containers: list[Container]
+) -> None:
+    engine, port, health = _start_engine(containers)
+    url = f"http://127.0.0.1:{port}"
+    # The image has no compiler: the kernels are the ones its build stage made, for this CPU.
+    best = cpu_isa.best_level(cpu_isa.detect()).name
+    assert health["cpu_isa"] == best, engine.logs()[-4000:]
+    assert "no C++ compiler here; loading the prebuilt /opt/mstar/kernels/" in engine.logs()
+    assert f"CPU kernels: ISA level {best}" in engine.logs()
     status, models = _get(url + "/v1/models")
     assert status == 200
     (model,) = models["data"]
@@ -150,6 +169,15 @@ def test_cpu_engine_image_serves_a_completion_and_drains(
     code = podman("inspect", "--format", "{{.State.ExitCode}}", engine.name).stdout.strip()
     assert code == "0", engine.logs()[-4000:]
     assert time.monotonic() - started < 60
+
+
+@needs_builders
+def test_cpu_engine_image_runs_the_level_named(images: None, containers: list[Container]) -> None:
+    """The same image runs another level's build: MSTAR_CPU_ISA=avx2 on any AVX2 CPU."""
+    if "x86-64-v3" not in [lvl.name for lvl in cpu_isa.supported_levels(cpu_isa.detect())]:
+        pytest.skip("this CPU has no AVX2")
+    engine, _, health = _start_engine(containers, "--env=MSTAR_CPU_ISA=avx2")
+    assert health["cpu_isa"] == "x86-64-v3", engine.logs()[-4000:]
 
 
 @needs_builders

@@ -7,11 +7,16 @@ minute) with that level's kernel objects (the other ``csrc/*.cpp``, compiled wit
 level inside, because inline functions from shared headers would otherwise be merged across
 levels by the linker, and an AVX-512 copy could then run on an AVX2 CPU.
 
-The cache is keyed by a hash of the sources, the flags, the compiler and torch, so a cache or an
-image built on one machine is reused on any other that has the same build, whatever its CPU.
-Concurrent builders (a server and its tests) wait on one lock; ninja rebuilds only what changed.
+A build lives in ``<cache root>/<source key>/<compiler key>/``: the source key hashes what the
+libraries' code and ABI depend on (the sources, the flags, torch, Python's headers), the compiler
+key the compiler that made them, and neither the build machine's CPU, so a cache or an image
+built on one machine is reused on any other that has the same build. Where a compiler runs, a
+process uses (and makes) its own compiler's build; where none does (the engine image), it loads
+any complete build of the same source key (`prebuilt_library`). A library appears only once
+linked whole, so its presence means a complete build. Concurrent builders (a server and its
+tests) wait on one lock; ninja rebuilds only what changed.
 
-``python -m mstar.kernels.build`` builds ahead of time (``--all`` for every level, as an image
+``python -m mstar.kernels.build`` builds ahead of time (``--all`` for every level, as the image
 does); the engine builds the level it runs on first use.
 """
 
@@ -73,27 +78,37 @@ def _link_flags() -> list[str]:
     return ["-shared", "-fopenmp", f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
 
 
+class NoCompiler(RuntimeError):
+    """No C++ compiler runs here: only a prebuilt build can be loaded (`prebuilt_library`)."""
+
+
 @functools.cache
 def _compiler() -> tuple[str, str]:
-    """(the C++ compiler, its version line); the version is part of the cache key."""
+    """(the C++ compiler, its version line): what the compiler key hashes."""
     cxx = os.environ.get("CXX", "c++")
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise RuntimeError(f"no C++ compiler ({cxx}): {exc}") from exc
+        raise NoCompiler(f"no C++ compiler ({cxx}): {exc}") from exc
     return cxx, out.stdout.splitlines()[0]
 
 
-def build_key() -> str:
-    """Sources, flags, compiler and torch: equal keys mean interchangeable builds."""
+def source_key() -> str:
+    """Sources, flags, torch and Python's headers: builds with equal keys run the same code
+    against the same ABI, whichever compiler made them."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     for level in cpu_isa.levels():  # what the compiler sees; not `requires` (a set, unordered)
         digest.update(repr((level.name, level.cflags)).encode())
-    digest.update(repr((_COMMON, _KERNEL_FLAGS, _compiler(), torch.__version__)).encode())
+    digest.update(repr((_COMMON, _KERNEL_FLAGS, torch.__version__)).encode())
     digest.update(sysconfig.get_paths()["include"].encode())
     return digest.hexdigest()[:16]
+
+
+def compiler_key() -> str:
+    """The compiler's command and version line; raises `NoCompiler` where none runs."""
+    return hashlib.sha256(repr(_compiler()).encode()).hexdigest()[:8]
 
 
 def cache_root() -> Path:
@@ -104,7 +119,8 @@ def cache_root() -> Path:
 
 
 def build_dir() -> Path:
-    return cache_root() / build_key()
+    """Where this machine's compiler builds (raises `NoCompiler` where none runs)."""
+    return cache_root() / source_key() / compiler_key()
 
 
 def module_name(level: cpu_isa.Level) -> str:
@@ -114,6 +130,14 @@ def module_name(level: cpu_isa.Level) -> str:
 
 def library_path(level: cpu_isa.Level) -> Path:
     return build_dir() / f"{module_name(level)}.so"
+
+
+def prebuilt_library(level: cpu_isa.Level) -> Path | None:
+    """A complete build of this level from these sources and torch, by any compiler (for a
+    machine without one, such as the engine image); None when the cache holds none. Never
+    writes: the cache may be read-only."""
+    found = sorted((cache_root() / source_key()).glob(f"*/{module_name(level)}.so"))
+    return found[0] if found else None
 
 
 def _ninja_file(levels: list[cpu_isa.Level]) -> str:
@@ -129,8 +153,8 @@ def _ninja_file(levels: list[cpu_isa.Level]) -> str:
         "  depfile = $out.d",
         "  deps = gcc",
         "  description = CXX $out",
-        "rule link",
-        "  command = $cxx $in $ldflags -o $out",
+        "rule link",  # linked aside, then renamed: a library present is a complete one
+        "  command = $cxx $in $ldflags -o $out.tmp && mv -f $out.tmp $out",
         "  description = LINK $out",
         f"build bindings.o: cxx {q([str(CSRC / BINDINGS)])}",
         "  flags = -O2",

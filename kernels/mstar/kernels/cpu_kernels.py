@@ -37,8 +37,10 @@ cost more than the arithmetic: SmolLM2 at batch 32 ran ~20 of them per layer aro
 
 The sources are ``csrc/*.cpp``, compiled once per ISA level (`cpu_isa`; `build`) into a cache
 every process shares; `load` runs the highest level the CPU has (or ``MSTAR_CPU_ISA``'s) and
-logs which. Where the build fails (no compiler) the engine keeps the torch path and says why;
-the tests build every level the machine runs and fail on a build error.
+logs which. Without a compiler it loads a prebuilt build of the same sources and torch from
+the cache (the engine image ships every level); where it has neither, or the build fails, the
+engine keeps the torch path and says why; the tests build every level the machine runs and fail
+on a build error.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import functools
 import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,7 +102,8 @@ def heads_contiguous(x: torch.Tensor) -> bool:
 
 
 def load_level(level: cpu_isa.Level) -> Any:
-    """One level's extension, built if needed; raises RuntimeError when the build fails."""
+    """One level's extension, built if needed (prebuilt without a compiler); raises
+    RuntimeError when the build fails or, without a compiler, none is prebuilt."""
     return _load_level(level.name)
 
 
@@ -108,7 +112,23 @@ def _load_level(name: str) -> Any:
     from mstar.kernels import build  # here: `python -m mstar.kernels.build` imports this package
 
     level = cpu_isa.resolve(name)
-    path = build.library_path(level)
+    try:
+        path = build.library_path(level)
+    except build.NoCompiler as exc:
+        path = _prebuilt(level, exc)
+    else:
+        _build(level, path)
+    spec = importlib.util.spec_from_file_location(build.module_name(level), path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(level: cpu_isa.Level, path: Path) -> None:
+    """Builds the level with this machine's compiler, or finds its build up to date."""
+    from mstar.kernels import build
+
     if not path.exists():
         # The first start compiles for about a minute: say so before it, not only after.
         log.info(
@@ -120,11 +140,19 @@ def _load_level(name: str) -> Any:
     seconds = build.build([level])
     if seconds > 1:
         log.info("CPU kernels: built level %s in %.1f s", level.name, seconds)
-    spec = importlib.util.spec_from_file_location(build.module_name(level), path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+
+def _prebuilt(level: cpu_isa.Level, no_compiler: Exception) -> Path:
+    """Without a compiler, a prebuilt build of the level (the engine image ships every one);
+    RuntimeError naming both causes when the cache holds none."""
+    from mstar.kernels import build
+
+    path = build.prebuilt_library(level)
+    if path is None:
+        where = build.cache_root() / build.source_key()
+        raise RuntimeError(f"{no_compiler}, and no prebuilt build of level {level.name} in {where}")
+    log.info("CPU kernels: no C++ compiler here; loading the prebuilt %s", path)
+    return path
 
 
 @functools.cache
@@ -136,7 +164,7 @@ def load() -> Any | None:
     level = cpu_isa.chosen_level()  # a bad MSTAR_CPU_ISA is the user's error: it raises
     try:
         module = load_level(level)
-    except Exception as exc:  # no compiler or ninja: the torch path still serves
+    except Exception as exc:  # no compiler and no prebuilt build, or a failed build: torch path
         log.warning("CPU kernels unavailable (%s); using the torch path", exc)
         return None
     log.info("CPU kernels: ISA level %s (%s)", level.name, level.summary)
