@@ -60,27 +60,47 @@ def test_prompt_chunks_stretch_a_step_at_most_by_the_stall_factor():
 
 
 def test_a_burst_is_absorbed_in_mean_ttft_optimal_chunks():
-    """As many requests waiting as decoding: the chunk is sqrt(P * overhead / per_token), which
-    minimises the queue's mean wait (overhead + c * per_token) * (P / c + 1) / 2 over c, even where
-    the stall bound would allow less."""
+    """Nobody decoding: the chunk is sqrt(P * overhead / per_token), which minimises the queue's
+    mean wait (overhead + c * per_token) * (P / c + 1) / 2 over c."""
     budget = StepBudget(cap=8192, model=_fitted())
     per_token = budget.model.coef[2]
-    for decode_rows, prompts in ((0, 32), (12, 20)):
+    for prompts in (8, 32, 64):
         pending = prompts * 128
-        overhead = budget.model.predict(decode_rows, 0)
-        chunk = budget.tokens(decode_rows, prompts, pending, head_prompt=128) - decode_rows
+        overhead = budget.model.predict(0, 0)
+        chunk = budget.tokens(0, prompts, pending, head_prompt=128)
 
         def mean_wait(c: int, pending: int = pending, overhead: float = overhead) -> float:
             return (overhead + c * per_token) * (pending / c + 1) / 2
 
         assert chunk == int(math.sqrt(pending * overhead / per_token))
         assert mean_wait(chunk) <= min(mean_wait(c) for c in range(32, 4096, 8)) * 1.01
-    stalled = budget.tokens(13, 12, 12 * 128, head_prompt=128) - 13
-    assert (
-        _seconds(13, stalled)
-        <= budget.stall_factor * _seconds(13, 0) * 1.1
-        < _seconds(13, int(math.sqrt(12 * 128 * _seconds(13, 0) / budget.model.coef[2])))
-    )
+
+
+def test_the_stall_streams_accept_grows_with_the_queue_per_stream():
+    """With streams decoding, a step stretches to stall_factor * sqrt(waiting / decoding) decode
+    steps at most: more per stream the longer the queue, never the unbounded burst chunk."""
+    budget = StepBudget(cap=8192, model=_fitted())
+    decode_rows, decode_step = 8, _seconds(8, 0)
+    steps = []
+    for per_stream in (1, 4, 16):
+        prompts = decode_rows * per_stream
+        chunk = budget.tokens(decode_rows, prompts, prompts * 1024, head_prompt=64) - decode_rows
+        step = _seconds(decode_rows, chunk)
+        assert step <= budget.stall_factor * math.sqrt(per_stream) * decode_step * 1.1
+        steps.append(step)
+    assert steps[0] < steps[1] < steps[2]
+    absorb = int(math.sqrt(128 * 1024 * decode_step / budget.model.coef[2]))
+    assert steps[2] < _seconds(decode_rows, absorb)
+
+
+def test_in_a_burst_the_oldest_prompt_goes_whole_past_the_bound():
+    """As many waiting as decoding: the oldest prompt is not split even where the stall bound
+    would cut it; with more streams than prompts it is cut to the bound."""
+    budget = StepBudget(cap=8192, model=_fitted())
+    assert budget.tokens(4, 8, pending_prompt=8 * 1000, head_prompt=1000) >= 4 + 1000
+    cut = budget.tokens(16, 2, pending_prompt=2 * 1000, head_prompt=1000) - 16
+    assert cut < 1000
+    assert _seconds(16, cut) <= budget.stall_factor * _seconds(16, 0) * 1.1
 
 
 def test_the_oldest_prompt_goes_whole_when_the_bound_allows():
