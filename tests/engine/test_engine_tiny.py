@@ -4,6 +4,7 @@ KV pressure (offload, reload, recomputation), and every refusal and abort path e
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from mstar.engine.request import RequestStatus
 from mstar.engine.resources.kv import KVRequestConfig
 from mstar.engine.resources.step import ResourceStep, Segment, StepContext
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+from mstar.engine.scheduler import COPY_WAIT_SECONDS
 from mstar.engine.step_budget import StepCostModel
 
 NEW_TOKENS = 24
@@ -299,6 +301,31 @@ def test_request_offloading_parks_without_evicting_then_finishes_exactly(
         collect(engine.step())
     assert engine.counters.reloads == 1
     assert [tokens["a"], tokens["b"]] == expected
+    _assert_no_pages_held(engine)
+
+
+def test_a_step_whose_rows_all_wait_on_a_copy_waits_for_it_instead_of_spinning(
+    tiny_llama_dir: Path,
+) -> None:
+    """The only request's KV is on the move: each step waits up to COPY_WAIT_SECONDS for the
+    copy. Returning at once spun the engine loop on refusals, taking the KV lock the copy needs
+    to land faster than the copy thread got it: requests stuck for minutes under load."""
+    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 20)), params)
+    engine.step()
+    kv = engine.kv
+    kv.copier.pause()
+    assert kv.offload("a") > 0 and kv.copy_in_flight("a")
+    steps, start = 0, time.monotonic()
+    while time.monotonic() - start < 0.2:
+        assert not any(o.new_token_ids for o in engine.step())  # parked while its KV moves
+        steps += 1
+    assert steps <= 0.2 / COPY_WAIT_SECONDS + 2
+    kv.copier.resume()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.counters.reloads == 1
     _assert_no_pages_held(engine)
 
 

@@ -6,6 +6,9 @@ The copy worker is paused wherever a test needs a copy to stay in flight, and re
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -359,3 +362,27 @@ def test_wait_copies_refuses_to_hang_on_a_paused_worker() -> None:
     kv.cleanup()  # resumes, drains, frees everything
     assert kv.num_free_pages == kv.num_pages and kv.num_host_pages_used == 0
     assert kv.copier.num_pending == 0
+
+
+def test_wait_copy_progress_returns_when_a_copy_lands_or_the_timeout_passes() -> None:
+    """The scheduler's wait when every row waits on a copy: at once with nothing in flight, the
+    whole timeout while the copy is held, and early once it lands."""
+    kv = make()
+    start = time.monotonic()
+    kv.wait_copy_progress(5.0)
+    assert time.monotonic() - start < 0.5  # nothing in flight: no wait at all
+    kv.ingest_request("a")
+    run(kv, "a", 4)
+    kv.copier.pause()
+    assert kv.offload("a") > 0
+    start = time.monotonic()
+    kv.wait_copy_progress(0.05)
+    assert time.monotonic() - start >= 0.045 and kv.copy_in_flight("a")
+    release = threading.Timer(0.05, kv.copier.step)
+    release.start()
+    start = time.monotonic()
+    kv.wait_copy_progress(5.0)
+    release.join()
+    assert time.monotonic() - start < 2.5 and not kv.copy_in_flight("a")
+    kv.cleanup()
+    assert kv.num_free_pages == kv.num_pages and kv.num_host_pages_used == 0

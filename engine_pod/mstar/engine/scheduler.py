@@ -63,6 +63,10 @@ from mstar.engine.step_budget import StepBudget
 MakeContext = Callable[[list[str], bool], StepContext]
 
 
+#: Longest a step that runs nothing waits for an in-flight KV copy before scheduling again.
+COPY_WAIT_SECONDS = 0.01
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -167,6 +171,10 @@ class Scheduler:
                         r.request.first_scheduled_time = now
                 return ScheduledBatch(rows, step, sample_rows)
             rows = self._answer(outcome, rows, now)
+        # Nothing runs: if that is because rows wait on copies, wait for one to land here.
+        # Returning at once made the engine loop spin on refusals, taking the KV lock the
+        # landing needs faster than the copy thread could get it (requests stuck for minutes).
+        self.kv.wait_copy_progress(COPY_WAIT_SECONDS)
         return None
 
     def _budget(self, now: float) -> int:

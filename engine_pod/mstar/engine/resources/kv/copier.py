@@ -101,6 +101,16 @@ class CopyWorker:
             self._wait(lambda: self._done >= target, timeout)
             return k
 
+    def wait_progress(self, timeout: float) -> None:
+        """Block until a queued or running job finishes, or ``timeout`` passes; at once when
+        nothing is queued. For a caller that can do nothing until a copy lands: spinning instead
+        would keep taking the lock the landing needs (and the GIL), and starve this thread."""
+        with self._cond:
+            if not self._queue and not self._running:
+                return
+            done = self._done
+            self._cond.wait_for(lambda: self._done != done, timeout)
+
     def wait_idle(self, timeout: float | None = None) -> None:
         """Block until nothing is queued or running. Never call it holding the KV lock."""
         with self._cond:
