@@ -104,7 +104,7 @@ def test_offload_and_reload_change_no_token(request: pytest.FixtureRequest, name
     got = drive(offload, PROMPTS, params)
     c = offload.counters
     print(f"{name}: pool {POOL} of {NEED} pages; offloads {c.offloads}, reloads {c.reloads}")
-    assert c.offloads >= N // 8 and c.reloads >= N // 8  # a storm (20-25 seen), not one or two
+    assert c.offloads >= N // 8 and c.reloads >= N // 8  # a storm (20-33 seen), not one or two
     if name == "cuda-bf16-flashinfer-graphs":
         backend = offload.runner.resources[ATTN].backend  # type: ignore[attr-defined]
         assert isinstance(backend, FlashInferPagedAttention) and backend.runs > 0
