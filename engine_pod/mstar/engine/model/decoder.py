@@ -11,7 +11,9 @@ small model fast on CPU.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.kernels import cpu_kernels
 from mstar.kernels.cpu_gemm import PackedLinear
+from mstar.kernels.paged_attention import KernelDecodeStep
 
 
 class AttentionContext(Protocol):
@@ -31,6 +34,61 @@ class AttentionContext(Protocol):
     ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] for ``layer_idx`` into the cache, return attention [T, Hq, D]."""
         ...
+
+
+#: `RotaryEmbedding.lookup`'s (cos, sin) at a step's positions
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class KernelDecodeContext(Protocol):
+    """An `AttentionContext` that can hand a decode-only step to `cpu_kernels.decode_layers`."""
+
+    def kernel_decode(self) -> tuple[KernelDecodeStep, torch.Tensor] | None:
+        """(the step, the whole cache [layers, pages, 2, S, Hkv, D]) when every row decodes
+        one token on the C++ kernels and the cache is contiguous; None otherwise."""
+        ...
+
+
+@dataclass(frozen=True)
+class FusedDecodeWeights:
+    """Every layer's weights as `cpu_kernels.decode_layers` takes them (bf16 layers whose four
+    projections all keep a small-batch packed weight), and the most rows those kernels take."""
+
+    norm_in: list[torch.Tensor]
+    norm_post: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    max_rows: int
+
+    @staticmethod
+    def gather(layers: Any) -> FusedDecodeWeights | None:
+        """The bundle, or None where a layer runs a projection another way."""
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        packed: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        biases: list[torch.Tensor | None] = []
+        max_rows = 1 << 30
+        for layer in layers:
+            for name in names:
+                linear = getattr(layer, name)
+                if not isinstance(linear, PackedLinear) or linear.small_batch_weight is None:
+                    return None
+                packed[name].append(linear.small_batch_weight)
+                biases.append(None if linear.bias is None else linear.bias.detach())
+                max_rows = min(max_rows, linear.small_batch_max_rows)
+        return FusedDecodeWeights(
+            norm_in=[layer.input_layernorm.weight.detach() for layer in layers],
+            norm_post=[layer.post_attention_layernorm.weight.detach() for layer in layers],
+            qkv=packed["qkv_proj"],
+            o=packed["o_proj"],
+            gate_up=packed["gate_up_proj"],
+            down=packed["down_proj"],
+            biases=biases,
+            max_rows=max_rows,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -97,6 +155,9 @@ def pack_linears_(
                 setattr(layer, name, pack(linear))
     if isinstance(decoder.lm_head, nn.Linear):
         decoder.lm_head = pack(decoder.lm_head)
+    decoder.fused_decode = (
+        FusedDecodeWeights.gather(decoder.layers) if kernels is not None else None
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -219,6 +280,9 @@ class Decoder(nn.Module):
         #: the first norm also takes the kernels' per-row pass (torch's reductions promise no
         #: per-row order across batch shapes); set with ``--deterministic``
         self.deterministic = False
+        #: every layer's weights for `cpu_kernels.decode_layers` (`pack_linears_` gathers them
+        #: where the layers allow it), or None: decode steps go layer by layer
+        self.fused_decode: FusedDecodeWeights | None = None
         self.rope = RotaryEmbedding(
             cfg.head_dim,
             max_positions or cfg.max_position_embeddings,
@@ -266,7 +330,10 @@ class Decoder(nn.Module):
         # rounding where a GEMM picks its kernel by row count (`float32_packed_min_rows`,
         # `small_batch_kernel`).
         prune = last > 0 and logits_indices.shape[0] < input_ids.shape[0]
-        for i, layer in enumerate(self.layers):
+        fused = None if prune else self._fused_layers(attn, input_ids.shape[0])
+        if fused is not None:
+            hidden, residual = fused(hidden, residual, cos_sin)
+        for i, layer in enumerate(self.layers if fused is None else ()):
             keep = logits_indices if prune and i == last else None
             hidden, residual = layer.forward(
                 hidden, residual, self.rope, cos_sin, attn, self.cpu_kernels, keep
@@ -283,3 +350,34 @@ class Decoder(nn.Module):
         # copy of b64's logits was ~3% of a bf16 decode step.
         logits: torch.Tensor = self.lm_head(selected)
         return logits
+
+    def _fused_layers(
+        self, attn: AttentionContext, rows: int
+    ) -> Callable[[torch.Tensor, torch.Tensor | None, CosSin], tuple[torch.Tensor, ...]] | None:
+        """Every layer in one `cpu_kernels.decode_layers` call, for a bf16 decode step of at
+        most the small-batch GEMMs' rows on the C++ kernels; None where the step takes the
+        layer-by-layer path (which computes the same bits, one kernel call at a time)."""
+        kernels, weights = self.cpu_kernels, self.fused_decode
+        if kernels is None or weights is None or rows > weights.max_rows:
+            return None
+        found = attn.kernel_decode() if isinstance(attn, KernelDecodeContext) else None
+        if found is None or found[1].dtype != torch.bfloat16:
+            return None
+        step, cache = found
+        cfg = self.config
+        first: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
+
+        def run(
+            hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin
+        ) -> tuple[torch.Tensor, ...]:
+            h, residual = first.add_forward(hidden, residual, kernels)
+            return tuple(
+                kernels.decode_layers(
+                    h, residual, weights.norm_in, weights.norm_post, weights.qkv, weights.o,
+                    weights.gate_up, weights.down, weights.biases, cache, *cos_sin,
+                    step.page_table, step.kv_lens, step.slots, cfg.num_heads, cfg.num_kv_heads,
+                    cfg.intermediate_size, step.scale, first.eps,
+                )
+            )  # fmt: skip
+
+        return run

@@ -83,6 +83,14 @@ class PagedAttentionContext:
         if isinstance(backend, TorchPagedAttention):
             self.decode = backend.decode_step(write_slots, cache.tensor.dtype)
 
+    def kernel_decode(self) -> tuple[KernelDecodeStep, torch.Tensor] | None:
+        """This step for `cpu_kernels.decode_layers` (see `Decoder`), where it is decode-only
+        on the kernels and the cache is contiguous; None otherwise."""
+        cache = self.cache.tensor
+        if self.decode is None or not cache.is_contiguous():
+            return None
+        return self.decode, cache
+
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:

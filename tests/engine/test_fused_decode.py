@@ -1,0 +1,126 @@
+"""A bf16 decode step's layers in one `cpu_kernels.decode_layers` call: the same bits as the
+layer-by-layer path, on every ISA level this CPU runs that has a small-batch bf16 GEMM (FMA on
+x86-64-v3, VDPBF16PS, AMX), for Llama and for Qwen2 (QKV biases)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from external_tools import require_tool
+from models import TINY_VOCAB
+
+from mstar.engine.config import EngineConfig
+from mstar.engine.engine import LLMEngine
+from mstar.engine.model.decoder import FusedDecodeWeights
+from mstar.engine.sampling_params import SamplingParams
+from mstar.kernels import cpu_isa, cpu_kernels
+
+NEW_TOKENS = 12
+#: levels whose bf16 GEMMs for decode-sized batches are the kernels' own (the fused path's)
+SMALL_BATCH_LEVELS = ("x86-64-v3", "avx512-bf16", "amx")
+
+
+@pytest.fixture(params=[lvl.name for lvl in cpu_isa.supported_levels()])
+def level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The engine built at this level (`MSTAR_CPU_ISA`); the loader's choice is forgotten
+    after, so later tests load the CPU's own level again."""
+    require_tool("g++")
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, request.param)
+    cpu_kernels.load.cache_clear()
+    yield request.param
+    cpu_kernels.load.cache_clear()
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(n)
+    return [
+        [rng.randrange(3, TINY_VOCAB) for _ in range(rng.choice([1, 5, 9, 19]))] for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_fused_decode_layers_give_the_layer_by_layer_bits(
+    level: str, model: str, request: pytest.FixtureRequest
+) -> None:
+    folder: Path = request.getfixturevalue(model)
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(folder),
+            dtype="bfloat16",
+            device="cpu",
+            page_size=4,
+            num_pages=256,
+            host_offload_gb=0,
+            seed=0,
+        )
+    )
+    decoder = engine.model_runner.decoder
+    assert decoder.cpu_kernels is not None and decoder.cpu_kernels.isa_level() == level
+    forward = decoder.forward
+    fused_rows: list[int] = []
+
+    def both_ways(ids: torch.Tensor, positions: torch.Tensor, attn: Any, rows: torch.Tensor):
+        """The step fused where it may be, then again layer by layer: writing the same K/V
+        to the same slots twice leaves the cache as one write does."""
+        fused = decoder._fused_layers(attn, ids.shape[0]) is not None
+        logits = forward(ids, positions, attn, rows)
+        if fused:
+            fused_rows.append(ids.shape[0])
+            bundle = decoder.fused_decode
+            decoder.fused_decode = None
+            try:
+                assert torch.equal(logits, forward(ids, positions, attn, rows))
+            finally:
+                decoder.fused_decode = bundle
+        return logits
+
+    decoder.forward = both_ways  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    # one sequence, then a batch of mixed lengths (prompt chunks beside decode rows: unfused)
+    outs = engine.generate(_prompts(1), params) + engine.generate(_prompts(9), params)
+    assert [len(o) for o in outs] == [NEW_TOKENS] * 10
+    if level in SMALL_BATCH_LEVELS:
+        assert isinstance(decoder.fused_decode, FusedDecodeWeights)
+        assert 1 in fused_rows and 9 in fused_rows
+    else:  # oneDNN runs its bf16 GEMMs: the layers go one by one
+        assert fused_rows == [] and decoder.fused_decode is None
+
+
+def test_a_step_past_the_small_batch_rows_goes_layer_by_layer(tiny_llama_dir: Path) -> None:
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="bfloat16",
+            device="cpu",
+            page_size=4,
+            num_pages=64,
+            host_offload_gb=0,
+        )
+    )
+    decoder = engine.model_runner.decoder
+    bundle = FusedDecodeWeights.gather(decoder.layers)
+    if bundle is None:
+        pytest.skip("this CPU's best level runs oneDNN's bf16 GEMMs: nothing is fused")
+    decoder.fused_decode = bundle
+    context = _DecodeOnly()
+    assert decoder._fused_layers(context, bundle.max_rows) is not None
+    assert decoder._fused_layers(context, bundle.max_rows + 1) is None
+    assert decoder._fused_layers(_DecodeOnly(found=False), 1) is None
+
+
+class _DecodeOnly:
+    """A context whose step is (or is not) decode-only on the kernels."""
+
+    def __init__(self, found: bool = True) -> None:
+        self.found = found
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        raise AssertionError("not called")
+
+    def kernel_decode(self) -> tuple[Any, torch.Tensor] | None:
+        return (object(), torch.empty(0, dtype=torch.bfloat16)) if self.found else None
