@@ -263,7 +263,6 @@ class TorchPagedAttention:
                         kv_indices.to(torch.int64).cpu(),
                         q_lens,
                         kv_lens,
-                        causal,
                     )
                 )
 
@@ -320,9 +319,7 @@ class TorchPagedAttention:
         kv_indices: torch.Tensor,
         q_lens_all: torch.Tensor,
         kv_lens_all: torch.Tensor,
-        causal: bool,
     ) -> _Group:
-        page_size = self._page_size
         batch = int(seqs.numel())
         q_lens = q_lens_all[seqs]
         kv_lens = kv_lens_all[seqs]
