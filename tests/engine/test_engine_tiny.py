@@ -329,6 +329,31 @@ def test_a_step_whose_rows_all_wait_on_a_copy_waits_for_it_instead_of_spinning(
     _assert_no_pages_held(engine)
 
 
+def test_a_step_whose_rows_are_all_held_sleeps_to_the_hold_end_instead_of_spinning(
+    tiny_llama_dir: Path,
+) -> None:
+    """The only request sits in a hold window (as after an eviction) and no copy moves: each
+    step sleeps toward the window's end (at most COPY_WAIT_SECONDS) instead of returning at
+    once (millions of empty steps under memory pressure), and the request goes on after it."""
+    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=0)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(3, 20)), params)
+    engine.step()
+    held = engine.scheduler.requests["a"]
+    start = time.monotonic()
+    held.hold_until = start + 0.2
+    steps = 0
+    while time.monotonic() < held.hold_until:
+        assert not any(o.new_token_ids for o in engine.step())
+        steps += 1
+    assert 5 <= steps <= 0.2 / COPY_WAIT_SECONDS + 2  # not one sleep through the window
+    out = []
+    while engine.has_unfinished_requests():
+        out += engine.step()
+    assert sum(len(o.new_token_ids) for o in out) == 7  # the first came before the hold
+    _assert_no_pages_held(engine)
+
+
 def test_a_burst_on_a_tiny_pool_finishes_exactly_without_an_eviction_storm(
     tiny_llama_dir: Path,
 ) -> None:

@@ -65,6 +65,7 @@ class KVCapacity:
         """An offload or reload of the request has been claimed and has not landed yet."""
         return self._kv.copy_in_flight(request_id)
 
-    def wait_copy_progress(self, timeout: float) -> None:
-        """Block until an in-flight copy lands or ``timeout`` passes (at once with none)."""
-        self._kv.wait_copy_progress(timeout)
+    def wait_copy_progress(self, timeout: float) -> bool:
+        """Block until an in-flight copy lands or ``timeout`` passes; at once, answering False,
+        with none in flight."""
+        return self._kv.wait_copy_progress(timeout)

@@ -101,15 +101,17 @@ class CopyWorker:
             self._wait(lambda: self._done >= target, timeout)
             return k
 
-    def wait_progress(self, timeout: float) -> None:
+    def wait_progress(self, timeout: float) -> bool:
         """Block until a queued or running job finishes, or ``timeout`` passes; at once when
         nothing is queued. For a caller that can do nothing until a copy lands: spinning instead
-        would keep taking the lock the landing needs (and the GIL), and starve this thread."""
+        would keep taking the lock the landing needs (and the GIL), and starve this thread.
+        False when there was nothing to wait for."""
         with self._cond:
             if not self._queue and not self._running:
-                return
+                return False
             done = self._done
             self._cond.wait_for(lambda: self._done != done, timeout)
+            return True
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Block until nothing is queued or running. Never call it holding the KV lock."""

@@ -131,10 +131,10 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
         with self._lock:
             return request_id in self._copies
 
-    def wait_copy_progress(self, timeout: float) -> None:
-        """Block until one in-flight copy lands or ``timeout`` passes (at once when none is in
-        flight). Never call it under the lock."""
-        self.copier.wait_progress(timeout)
+    def wait_copy_progress(self, timeout: float) -> bool:
+        """Block until one in-flight copy lands or ``timeout`` passes; at once, answering False,
+        when none is in flight. Never call it under the lock."""
+        return self.copier.wait_progress(timeout)
 
     def wait_copies(self, timeout: float | None = None) -> None:
         """Block until every copy has landed (shutdown, tests). Never call it under the lock."""
