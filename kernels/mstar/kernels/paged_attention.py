@@ -118,24 +118,27 @@ def validate_plan(
     kv_indices: torch.Tensor,
     kv_last_page_len: torch.Tensor,
     page_size: int,
-) -> None:
-    """Reject malformed plans with a message instead of silently reading wrong pages."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reject malformed plans with a message instead of silently reading wrong pages; returns
+    each sequence's queries and keys (int64, on the plan's device) for the planner to reuse.
+    One check covers every rule (a plan is checked every step); the messages come after."""
     n = kv_last_page_len.shape[0]
     if qo_indptr.shape[0] != n + 1 or kv_indptr.shape[0] != n + 1:
         raise ValueError("qo_indptr and kv_indptr must have len(kv_last_page_len) + 1 entries")
-    if n == 0:
-        return
     if int(kv_indptr[-1]) > kv_indices.shape[0]:
         raise ValueError("kv_indptr points past the end of kv_indices")
     q_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
     n_pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    last = kv_last_page_len.to(torch.int64)
+    kv_lens = (n_pages - 1) * page_size + last
+    ok = (q_lens >= 0) & (n_pages >= 1) & (last >= 1) & (last <= page_size) & (q_lens <= kv_lens)
+    if bool(ok.all()):
+        return q_lens, kv_lens
     if bool((q_lens < 0).any()) or bool((n_pages < 1).any()):
         raise ValueError("every sequence needs >= 0 queries and >= 1 KV page")
-    last = kv_last_page_len.to(torch.int64)
     if bool(((last < 1) | (last > page_size)).any()):
         raise ValueError(f"kv_last_page_len must be in [1, {page_size}]")
-    if bool((q_lens > kv_lengths(kv_indptr, kv_last_page_len, page_size)).any()):
-        raise ValueError("a sequence has more queries than KV tokens (write K/V before attending)")
+    raise ValueError("a sequence has more queries than KV tokens (write K/V before attending)")
 
 
 @dataclass(slots=True)
@@ -223,7 +226,9 @@ class TorchPagedAttention:
         """Build gather indices and masks for this step (int32 CPU inputs)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} not a multiple of {num_kv_heads}")
-        validate_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
+        q_lens, kv_lens = validate_plan(
+            qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size
+        )
         if self.deterministic:
             if not cpu_kernels.supports_head_dim(head_dim):
                 raise ValueError(f"deterministic attention: no kernel for head_dim {head_dim}")
@@ -235,6 +240,9 @@ class TorchPagedAttention:
                 page_size,
                 causal,
             )
+            q_lens, kv_lens = validate_plan(
+                qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size
+            )
         self._num_qo_heads = num_qo_heads
         self._num_kv_heads = num_kv_heads
         self._head_dim = head_dim
@@ -244,8 +252,7 @@ class TorchPagedAttention:
         qo = qo_indptr.to(torch.int64).cpu()
         kvp = kv_indptr.to(torch.int64).cpu()
         self._num_tokens = int(qo[-1]) if qo.numel() else 0
-        q_lens = qo[1:] - qo[:-1]
-        kv_lens = kv_lengths(kvp, kv_last_page_len.cpu(), page_size)
+        q_lens, kv_lens = q_lens.cpu(), kv_lens.cpu()
         if self._num_tokens == q_lens.shape[0] and bool((q_lens == 1).all()):
             self._groups = [self._decode_group(kvp, kv_indices.to(torch.int64).cpu(), kv_lens)]
             return
