@@ -488,3 +488,15 @@ def test_kernel_decode_step_matches_the_generic_path_and_declines_what_it_cannot
     backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size)
     assert torch.float16 not in cpu_kernels.DTYPES
     assert backend.decode_step(slots, torch.float16) is None
+
+
+def test_a_plan_with_no_sequences_attends_nothing():
+    """A step with no rows (every other step is planned too) plans no group and returns an
+    empty output, on the decode-only shortcut's path as on the general one."""
+    backend = TorchPagedAttention("cpu")
+    empty, start = torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    backend.plan(
+        start, start, empty, empty, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4
+    )
+    out = backend.run(torch.zeros(0, 4, 16), torch.zeros(3, 2, 4, 2, 16))
+    assert out.shape == (0, 4, 16)

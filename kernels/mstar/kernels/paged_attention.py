@@ -253,7 +253,7 @@ class TorchPagedAttention:
         kvp = kv_indptr.to(torch.int64).cpu()
         self._num_tokens = int(qo[-1]) if qo.numel() else 0
         q_lens, kv_lens = q_lens.cpu(), kv_lens.cpu()
-        if self._num_tokens == q_lens.shape[0] and bool((q_lens == 1).all()):
+        if 0 < q_lens.shape[0] == self._num_tokens and bool((q_lens == 1).all()):
             self._groups = [self._decode_group(kvp, kv_indices.to(torch.int64).cpu(), kv_lens)]
             return
         seqs = torch.arange(q_lens.shape[0])
