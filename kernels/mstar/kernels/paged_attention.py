@@ -130,7 +130,7 @@ def validate_plan(
     q_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
     n_pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
     last = kv_last_page_len.to(torch.int64)
-    kv_lens = (n_pages - 1) * page_size + last
+    kv_lens = kv_lengths(kv_indptr, kv_last_page_len, page_size)
     ok = (q_lens >= 0) & (n_pages >= 1) & (last >= 1) & (last <= page_size) & (q_lens <= kv_lens)
     if bool(ok.all()):
         return q_lens, kv_lens
