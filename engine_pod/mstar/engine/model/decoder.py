@@ -11,7 +11,6 @@ small model fast on CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -332,7 +331,7 @@ class Decoder(nn.Module):
         prune = last > 0 and logits_indices.shape[0] < input_ids.shape[0]
         fused = None if prune else self._fused_layers(attn, input_ids.shape[0])
         if fused is not None:
-            hidden, residual = fused(hidden, residual, cos_sin)
+            hidden, residual = self._run_fused_layers(*fused, hidden, residual, cos_sin)
         for i, layer in enumerate(self.layers if fused is None else ()):
             keep = logits_indices if prune and i == last else None
             hidden, residual = layer.forward(
@@ -353,31 +352,36 @@ class Decoder(nn.Module):
 
     def _fused_layers(
         self, attn: AttentionContext, rows: int
-    ) -> Callable[[torch.Tensor, torch.Tensor | None, CosSin], tuple[torch.Tensor, ...]] | None:
-        """Every layer in one `cpu_kernels.decode_layers` call, for a bf16 decode step of at
-        most the small-batch GEMMs' rows on the C++ kernels; None where the step takes the
-        layer-by-layer path (which computes the same bits, one kernel call at a time)."""
-        kernels, weights = self.cpu_kernels, self.fused_decode
-        if kernels is None or weights is None or rows > weights.max_rows:
+    ) -> tuple[KernelDecodeStep, torch.Tensor] | None:
+        """(the step, the whole cache) where every layer can run in one
+        `cpu_kernels.decode_layers` call: a bf16 decode step of at most the small-batch GEMMs'
+        rows on the C++ kernels; None where the step goes layer by layer (which computes the
+        same bits, one kernel call at a time)."""
+        weights = self.fused_decode
+        if self.cpu_kernels is None or weights is None or rows > weights.max_rows:
             return None
         found = attn.kernel_decode() if isinstance(attn, KernelDecodeContext) else None
         if found is None or found[1].dtype != torch.bfloat16:
             return None
-        step, cache = found
-        cfg = self.config
+        return found
+
+    def _run_fused_layers(
+        self,
+        step: KernelDecodeStep,
+        cache: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: CosSin,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0's first norm here (the layer path's), then every layer in one call."""
+        weights, kernels, cfg = self.fused_decode, self.cpu_kernels, self.config
+        assert weights is not None and kernels is not None
         first: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
-
-        def run(
-            hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin
-        ) -> tuple[torch.Tensor, ...]:
-            h, residual = first.add_forward(hidden, residual, kernels)
-            return tuple(
-                kernels.decode_layers(
-                    h, residual, weights.norm_in, weights.norm_post, weights.qkv, weights.o,
-                    weights.gate_up, weights.down, weights.biases, cache, *cos_sin,
-                    step.page_table, step.kv_lens, step.slots, cfg.num_heads, cfg.num_kv_heads,
-                    cfg.intermediate_size, step.scale, first.eps,
-                )
-            )  # fmt: skip
-
-        return run
+        h, residual = first.add_forward(hidden, residual, kernels)
+        out, residual = kernels.decode_layers(
+            h, residual, weights.norm_in, weights.norm_post, weights.qkv, weights.o,
+            weights.gate_up, weights.down, weights.biases, cache, *cos_sin,
+            step.page_table, step.kv_lens, step.slots, cfg.num_heads, cfg.num_kv_heads,
+            cfg.intermediate_size, step.scale, first.eps,
+        )  # fmt: skip
+        return out, residual
