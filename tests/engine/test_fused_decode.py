@@ -43,22 +43,21 @@ def _prompts(n: int) -> list[list[int]]:
     ]
 
 
+def _bf16_engine(folder: Path) -> LLMEngine:
+    """A small pool and no host tier: the page checks the tests run walk every page."""
+    config = EngineConfig(
+        model=str(folder), dtype="bfloat16", device="cpu", page_size=4, num_pages=256,
+        host_offload_gb=0, seed=0,
+    )  # fmt: skip
+    return LLMEngine.from_config(config)
+
+
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_fused_decode_layers_give_the_layer_by_layer_bits(
     level: str, model: str, request: pytest.FixtureRequest
 ) -> None:
     folder: Path = request.getfixturevalue(model)
-    engine = LLMEngine.from_config(
-        EngineConfig(
-            model=str(folder),
-            dtype="bfloat16",
-            device="cpu",
-            page_size=4,
-            num_pages=256,
-            host_offload_gb=0,
-            seed=0,
-        )
-    )
+    engine = _bf16_engine(folder)
     decoder = engine.model_runner.decoder
     assert decoder.cpu_kernels is not None and decoder.cpu_kernels.isa_level() == level
     forward = decoder.forward
@@ -92,16 +91,7 @@ def test_fused_decode_layers_give_the_layer_by_layer_bits(
 
 
 def test_a_step_past_the_small_batch_rows_goes_layer_by_layer(tiny_llama_dir: Path) -> None:
-    engine = LLMEngine.from_config(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="bfloat16",
-            device="cpu",
-            page_size=4,
-            num_pages=64,
-            host_offload_gb=0,
-        )
-    )
+    engine = _bf16_engine(tiny_llama_dir)
     decoder = engine.model_runner.decoder
     bundle = FusedDecodeWeights.gather(decoder.layers)
     if bundle is None:
