@@ -1,6 +1,7 @@
-"""A bf16 decode step's layers in one `cpu_kernels.decode_layers` call: the same bits as the
-layer-by-layer path, on every ISA level this CPU runs that has a small-batch bf16 GEMM (FMA on
-x86-64-v3, VDPBF16PS, AMX), for Llama and for Qwen2 (QKV biases)."""
+"""A decode step's layers in one `cpu_kernels.decode_layers` call: the same bits as the
+layer-by-layer path, on every ISA level this CPU runs that has a small-batch GEMM of the
+model's dtype (bf16: FMA on x86-64-v3, VDPBF16PS, AMX; float32: FMA on every level from
+x86-64-v3), for Llama and for Qwen2 (QKV biases)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import cpu_isa, cpu_kernels
 
 NEW_TOKENS = 12
-#: levels whose bf16 GEMMs for decode-sized batches are the kernels' own (the fused path's)
-SMALL_BATCH_LEVELS = ("x86-64-v3", "avx512-bf16", "amx")
+#: per dtype, the levels whose GEMMs for decode-sized batches are the kernels' own (the fused
+#: path's); x86-64-v4 runs oneDNN's bf16 GEMM (it has one there), the baseline has no FMA
+FUSED_LEVELS = {
+    "bfloat16": ("x86-64-v3", "avx512-bf16", "amx"),
+    "float32": ("x86-64-v3", "x86-64-v4", "avx512-bf16", "amx"),
+}
 
 
 @pytest.fixture(params=[lvl.name for lvl in cpu_isa.supported_levels()])
@@ -43,21 +48,22 @@ def _prompts(n: int) -> list[list[int]]:
     ]
 
 
-def _bf16_engine(folder: Path) -> LLMEngine:
+def _engine(folder: Path, dtype: str = "bfloat16") -> LLMEngine:
     """A small pool and no host tier: the page checks the tests run walk every page."""
     config = EngineConfig(
-        model=str(folder), dtype="bfloat16", device="cpu", page_size=4, num_pages=256,
+        model=str(folder), dtype=dtype, device="cpu", page_size=4, num_pages=256,
         host_offload_gb=0, seed=0,
     )  # fmt: skip
     return LLMEngine.from_config(config)
 
 
+@pytest.mark.parametrize("dtype", sorted(FUSED_LEVELS))
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_fused_decode_layers_give_the_layer_by_layer_bits(
-    level: str, model: str, request: pytest.FixtureRequest
+    level: str, model: str, dtype: str, request: pytest.FixtureRequest
 ) -> None:
     folder: Path = request.getfixturevalue(model)
-    engine = _bf16_engine(folder)
+    engine = _engine(folder, dtype)
     decoder = engine.model_runner.decoder
     assert decoder.cpu_kernels is not None and decoder.cpu_kernels.isa_level() == level
     forward = decoder.forward
@@ -83,15 +89,15 @@ def test_fused_decode_layers_give_the_layer_by_layer_bits(
     # one sequence, then a batch of mixed lengths (prompt chunks beside decode rows: unfused)
     outs = engine.generate(_prompts(1), params) + engine.generate(_prompts(9), params)
     assert [len(o) for o in outs] == [NEW_TOKENS] * 10
-    if level in SMALL_BATCH_LEVELS:
+    if level in FUSED_LEVELS[dtype]:
         assert isinstance(decoder.fused_decode, FusedDecodeWeights)
         assert 1 in fused_rows and 9 in fused_rows
-    else:  # oneDNN runs its bf16 GEMMs: the layers go one by one
+    else:  # oneDNN runs the GEMMs: the layers go one by one
         assert fused_rows == [] and decoder.fused_decode is None
 
 
 def test_a_step_past_the_small_batch_rows_goes_layer_by_layer(tiny_llama_dir: Path) -> None:
-    engine = _bf16_engine(tiny_llama_dir)
+    engine = _engine(tiny_llama_dir)
     decoder = engine.model_runner.decoder
     bundle = FusedDecodeWeights.gather(decoder.layers)
     if bundle is None:

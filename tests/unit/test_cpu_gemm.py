@@ -19,6 +19,7 @@ from mstar.kernels.cpu_gemm import (
     AMX_MAX_ROWS,
     BF16_FLOAT32_GEMM_MIN_ROWS,
     DPBF16_MAX_ROWS,
+    FLOAT32_FMA_MAX_ROWS,
     FMA_MAX_ROWS,
     INTEL_FLOAT32_PACKED_MIN_ROWS,
     PackedLinear,
@@ -178,12 +179,17 @@ def test_bfloat16_float32_gemm_rounds_a_float32_product_to_bf16():
 
 
 def test_float32_packs_for_batches_and_keeps_plain_weights_for_few_rows(tmp_path):
-    """float32 layers run MKL's F.linear below float32_packed_min_rows() rows (Intel), oneDNN
-    from there; where that is 0 (MKL slow at few rows) every batch takes oneDNN, no plain copy."""
+    """Without the kernels, float32 layers run MKL's F.linear below float32_packed_min_rows()
+    rows (Intel), oneDNN from there; where that is 0 (MKL slow at few rows) every batch takes
+    oneDNN, no plain copy."""
     make_checkpoint(tmp_path, "llama")
     decoder, cfg, _ = load_model(tmp_path)
-    layer = decoder.layers[0].qkv_proj
-    assert isinstance(layer, PackedLinear) and isinstance(decoder.lm_head, PackedLinear)
+    assert isinstance(decoder.lm_head, PackedLinear)
+    plain = decoder.layers[0].qkv_proj
+    assert isinstance(plain, PackedLinear)
+    linear = torch.nn.Linear(cfg.hidden_size, plain.out_features, bias=False)
+    layer = PackedLinear(linear)  # no kernels: oneDNN and MKL only
+    assert layer.small_batch_weight is None
     gen = torch.Generator().manual_seed(0)
     min_rows = float32_packed_min_rows()
     few = torch.randn(max(min_rows - 1, 1), cfg.hidden_size, generator=gen)
@@ -197,3 +203,39 @@ def test_float32_packs_for_batches_and_keeps_plain_weights_for_few_rows(tmp_path
             assert torch.equal(layer(x), packed)
     if min_rows <= 1:
         assert layer.weight is None and layer.min_rows == 0
+
+
+def test_float32_decode_sized_batches_take_the_fma_kernel(tmp_path):
+    """With the kernels' FMA GEMM, float32 batches up to FLOAT32_FMA_MAX_ROWS rows run it over
+    float32 panels (bias included), larger ones oneDNN's packed kernel, and no layer keeps a
+    plain weight for MKL (the kernel takes those batches), on Intel or not."""
+    require_tool("g++")
+    require_tool("ninja")
+    make_checkpoint(tmp_path, "qwen2")  # QKV bias
+    decoder, _, _ = load_model(tmp_path, "float32")
+    kernels = decoder.cpu_kernels
+    assert kernels is not None
+    assert small_batch_kernel(kernels, dtype=torch.float32) == (
+        (kernels.fma_linear, kernels.fma_pack_weight, FLOAT32_FMA_MAX_ROWS)
+        if kernels.fma_available()
+        else None
+    )
+    if not kernels.fma_available():
+        pytest.skip(f"the {kernels.isa_level()} build has no FMA")
+    layers = [decoder.lm_head, *(getattr(decoder.layers[0], n) for n in ("qkv_proj", "down_proj"))]
+    gen = torch.Generator().manual_seed(5)
+    for layer in layers:
+        assert isinstance(layer, PackedLinear) and layer.small_batch_weight is not None
+        assert layer.small_batch_linear == kernels.fma_linear and layer.weight is None
+        assert layer.small_batch_weight.dtype == torch.float32
+        for rows in (1, 9, FLOAT32_FMA_MAX_ROWS, FLOAT32_FMA_MAX_ROWS + 1):
+            x = torch.randn(rows, layer.in_features, generator=gen)
+            if rows <= FLOAT32_FMA_MAX_ROWS:
+                want = kernels.fma_linear(
+                    x, layer.small_batch_weight, layer.out_features, layer.bias
+                )
+            else:
+                want = torch.ops.mkldnn._linear_pointwise(
+                    x, layer.packed_weight, layer.bias, "none", [], ""
+                )
+            assert torch.equal(layer(x), want)

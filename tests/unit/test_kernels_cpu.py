@@ -298,16 +298,45 @@ def test_small_batch_linear_refuses_what_it_cannot_do(kernels, kind):
         linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 32, None)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
         linear(x, packed, 33, None)
-    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+    # FMA also multiplies float32, but not a float32 x by a bf16 weight
+    with pytest.raises(RuntimeError, match="in x's dtype" if kind == "fma" else "x must be bf"):
         linear(x.float(), packed, 32, None)
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
         linear(torch.zeros(64, 2, dtype=torch.bfloat16).T, packed, 32, None)
-    with pytest.raises(RuntimeError, match="bias must be contiguous bfloat16"):
+    with pytest.raises(RuntimeError, match="bias must be contiguous"):
         linear(x, packed, 32, torch.zeros(31, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bias must be contiguous"):
+        linear(x, packed, 32, torch.zeros(32))
     with pytest.raises(RuntimeError, match=f"{kind}_pack_weight"):
         linear(x, packed.flatten(), 32, None)
     with pytest.raises(RuntimeError, match="weight must be bfloat16"):
-        pack(torch.zeros(32, 64))
+        pack(torch.zeros(32, 64, dtype=torch.float64 if kind == "fma" else torch.float32))
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (7, 33, 70), (13, 1536, 64), (70, 96, 40)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fma_linear_multiplies_float32_in_float32(kernels, rows, k, n, with_bias):
+    """float32 x @ w.T (+ bias) over float32 panels: within float32 rounding of the exact
+    product, for contiguous and strided rows; a row's bits do not depend on the rows beside
+    it (the sum over K runs in one fixed order per level)."""
+    linear, pack = gemm(kernels, "fma")
+    gen = torch.Generator().manual_seed(rows * k + n)
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    wide = torch.randn(rows, k + 8, generator=gen)
+    packed = pack(w)
+    assert packed.dtype == torch.float32
+    for x in (wide[:, :k].contiguous(), wide[:, 8:]):
+        got = linear(x, packed, n, bias)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        exact = x.double() @ w.double().T
+        if bias is not None:
+            exact += bias.double()
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
+        for r in {0, rows - 1}:
+            assert torch.equal(linear(x[r : r + 1], packed, n, bias), got[r : r + 1])
+    with pytest.raises(RuntimeError, match="in x's dtype"):
+        linear(wide[:, :k].bfloat16(), packed, n, None)
 
 
 @pytest.mark.parametrize("kind", ["dpbf16", "fma"])

@@ -1,8 +1,8 @@
 """CPU GEMM selection: which kernel multiplies a linear layer's batch, chosen by the CPU.
 
 oneDNN's packed kernels serve prompt chunks and, where mstar has nothing faster, every batch;
-mstar's own bf16 GEMMs (`cpu_kernels`: AMX tiles, VDPBF16PS, FMA on widened bf16) serve
-decode-sized batches, where a step's time is streaming the weights from DRAM once. Every
+mstar's own GEMMs (`cpu_kernels`: AMX tiles, VDPBF16PS, FMA on widened bf16 or on float32)
+serve decode-sized batches, where a step's time is streaming the weights from DRAM once. Every
 choice takes the CPU's features as a value (`cpu_isa.CpuFeatures`), so the tests check the
 choice any CPU would get, not only this machine's.
 """
@@ -70,13 +70,34 @@ DPBF16_MAX_ROWS = 128
 FMA_MAX_ROWS = 128
 
 
+#: float32 batches up to this many rows run `cpu_kernels.fma_linear` over float32 panels
+#: wherever the kernels have FMA (x86-64-v3 and up): oneDNN's packed float32 kernel streamed a
+#: one-row batch's weights at about half of DRAM bandwidth. Measured on a 2-core Zen 5 over
+#: SmolLM2's 120 projections and LM head, weights cold, against oneDNN's packed kernel: at
+#: avx512-bf16 15.2 / 14.7 / 26.8 / 52.4 / 104 / 218 ms against 26.4 / 29.5 / 40.5 / 57.0 /
+#: 107 / 203 at 1 / 8 / 16 / 32 / 64 / 128 rows; at x86-64-v3 with oneDNN capped at AVX2
+#: 18.4 / 25.4 / 32.6 / 70.7 / 113 / 224 against 27.8 / 37.3 / 49.6 / 67.8 / 133 / 246. Prompt
+#: chunks stay oneDNN's. Intel CPUs were not measured (MKL's F.linear is theirs below
+#: `INTEL_FLOAT32_PACKED_MIN_ROWS` otherwise).
+FLOAT32_FMA_MAX_ROWS = 64
+
+
 def small_batch_kernel(
-    kernels: Any | None, features: cpu_isa.CpuFeatures | None = None
+    kernels: Any | None,
+    features: cpu_isa.CpuFeatures | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[Any, Any, int] | None:
-    """(linear, pack_weight, max rows) of the bf16 GEMM for decode-sized batches on this CPU:
-    AMX tiles where it has them, else VDPBF16PS, else (where oneDNN has no bf16 GEMM) FMA on
-    widened bf16, else None (oneDNN's kernel for every batch)."""
+    """(linear, pack_weight, max rows) of the GEMM for decode-sized batches of ``dtype`` on
+    this CPU. bf16: AMX tiles where it has them, else VDPBF16PS, else (where oneDNN has no bf16
+    GEMM) FMA on widened bf16. float32: FMA over float32 panels. None: oneDNN's kernel for
+    every batch."""
     if kernels is None:
+        return None
+    if dtype == torch.float32:
+        if not kernels.fma_available():
+            return None
+        return kernels.fma_linear, kernels.fma_pack_weight, FLOAT32_FMA_MAX_ROWS
+    if dtype != torch.bfloat16:
         return None
     features = features or cpu_isa.planning_features()
     if kernels.amx_available():
@@ -135,9 +156,10 @@ class PackedLinear(nn.Module):
 
     ``F.linear`` re-lays a bf16 weight out on every call; that made SmolLM2's bf16 linears 1.6x
     slower at one token and 2.2x at 32 (micro-benchmark on a 2-core AVX-512 Xeon). In float32,
-    on Intel, oneDNN wins only from `float32_packed_min_rows` rows up, so a float32 layer there
-    keeps its plain weight too and small batches use it. Packed results are rounded differently from
-    ``F.linear``'s (not bit-identical); the exactness tests against transformers cover both.
+    on Intel, oneDNN wins only from `float32_packed_min_rows` rows up, so without the kernels'
+    float32 GEMM a float32 layer there keeps its plain weight too and small batches use it.
+    Packed results are rounded differently from ``F.linear``'s (not bit-identical); the
+    exactness tests against transformers cover both.
 
     ``float32_gemm`` (bf16 weights on a CPU without bf16 math, see `BF16_FLOAT32_GEMM_MIN_ROWS`):
     batches from that many rows run a float32 GEMM on exact float32 copies of the bf16 weight
@@ -146,10 +168,10 @@ class PackedLinear(nn.Module):
     Where oneDNN has no bf16 GEMM at all (``features.onednn_bf16`` false: AVX2) every batch past
     the small-batch kernel takes that route, whatever ``float32_gemm`` says.
 
-    ``kernels`` (`cpu_kernels.load()`'s extension): where `small_batch_kernel` finds one (AMX
-    tiles, AVX512-BF16, or FMA where oneDNN has no bf16), a bf16 layer also keeps its weight
-    in that kernel's layout (``small_batch_weight``), and batches up to its row limit run it
-    (the same float32 accumulation rounded once).
+    ``kernels`` (`cpu_kernels.load()`'s extension): where `small_batch_kernel` finds one (bf16:
+    AMX tiles, AVX512-BF16, or FMA where oneDNN has no bf16; float32: FMA), a layer also keeps
+    its weight in that kernel's layout (``small_batch_weight``), and batches up to its row
+    limit run it (the same float32 accumulation rounded once).
 
     ``deterministic``: every batch runs `deterministic_kernel`, so a row's output bits do not
     depend on the batch it is in; bf16 only (ValueError otherwise, or without such a kernel).
@@ -184,7 +206,15 @@ class PackedLinear(nn.Module):
         self.float32_bias: torch.Tensor | None = None
         #: batches past the small-batch kernel run a float32 GEMM (see ``float32_gemm``)
         self.upcast = weight.dtype == torch.bfloat16 and (float32_gemm or not features.onednn_bf16)
-        if weight.dtype == torch.float32 and float32_packed_min_rows(features) > 1:
+        kernel = small_batch_kernel(kernels, features, weight.dtype)
+        if kernel is not None:
+            self.small_batch_linear, _, self.small_batch_max_rows = kernel
+        # (the float32 small-batch kernel takes every batch MKL's few-rows path would)
+        if (
+            weight.dtype == torch.float32
+            and kernel is None
+            and float32_packed_min_rows(features) > 1
+        ):
             self.min_rows = float32_packed_min_rows(features)
             self.weight = linear.weight
         elif self.upcast:
@@ -197,11 +227,7 @@ class PackedLinear(nn.Module):
             weight.float() if self.upcast else weight, None
         )
         self.register_buffer("packed_weight", packed, persistent=False)
-        small = None
-        kernel = small_batch_kernel(kernels, features) if weight.dtype == torch.bfloat16 else None
-        if kernel is not None:
-            self.small_batch_linear, pack, self.small_batch_max_rows = kernel
-            small = pack(weight)
+        small = None if kernel is None else kernel[1](weight)
         self.register_buffer("small_batch_weight", small, persistent=False)
 
     def _init_deterministic(self, weight: torch.Tensor, kernels: Any | None) -> None:

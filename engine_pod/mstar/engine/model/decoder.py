@@ -51,7 +51,7 @@ class KernelDecodeContext(Protocol):
 
 @dataclass(frozen=True)
 class FusedDecodeWeights:
-    """Every layer's weights as `cpu_kernels.decode_layers` takes them (bf16 layers whose four
+    """Every layer's weights as `cpu_kernels.decode_layers` takes them (layers whose four
     projections all keep a small-batch packed weight), and the most rows those kernels take."""
 
     norm_in: list[torch.Tensor]
@@ -354,16 +354,13 @@ class Decoder(nn.Module):
         self, attn: AttentionContext, rows: int
     ) -> tuple[KernelDecodeStep, torch.Tensor] | None:
         """(the step, the whole cache) where every layer can run in one
-        `cpu_kernels.decode_layers` call: a bf16 decode step of at most the small-batch GEMMs'
+        `cpu_kernels.decode_layers` call: a decode step of at most the small-batch GEMMs'
         rows on the C++ kernels; None where the step goes layer by layer (which computes the
         same bits, one kernel call at a time)."""
         weights = self.fused_decode
         if self.cpu_kernels is None or weights is None or rows > weights.max_rows:
             return None
-        found = attn.kernel_decode() if isinstance(attn, KernelDecodeContext) else None
-        if found is None or found[1].dtype != torch.bfloat16:
-            return None
-        return found
+        return attn.kernel_decode() if isinstance(attn, KernelDecodeContext) else None
 
     def _run_fused_layers(
         self,

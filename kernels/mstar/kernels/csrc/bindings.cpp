@@ -32,13 +32,14 @@ void by_dtype(const torch::Tensor& x, const char* op, F&& f) {
     TORCH_CHECK(false, op, ": float32 or bfloat16 only");
 }
 
-// A GEMM's optional bias [N] as a pointer (null for none), refused unless contiguous bf16.
-const c10::BFloat16* linear_bias(const c10::optional<torch::Tensor>& bias, int64_t n,
-                                 const char* op) {
+// A GEMM's optional bias [N] as a pointer (null for none), refused unless contiguous T.
+template <typename T = c10::BFloat16>
+const T* linear_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* op) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
-              op, ": bias must be contiguous bfloat16 [N]");
-  return bias->data_ptr<c10::BFloat16>();
+  TORCH_CHECK(bias->scalar_type() == c10::CppTypeToScalarType<T>::value &&
+                  bias->is_contiguous() && bias->numel() == n,
+              op, ": bias must be contiguous [N] in x's dtype");
+  return bias->data_ptr<T>();
 }
 
 // The checks every packed-weight GEMM makes of x and of the weight it packs.
@@ -322,39 +323,47 @@ torch::Tensor dpbf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
 // True where this level has FMA (x86-64-v3 and up): `fma_linear` runs.
 bool fma_available() { return mstar_cpu::fma_compiled(); }
 
-// Weight [N, K] bf16 -> [ceil(N/16), K, 16] for `fma_linear`, zero-padded past N.
+// Weight [N, K] bf16 or float32 -> [ceil(N/16), K, 16] of the same dtype for `fma_linear`,
+// zero-padded past N.
 torch::Tensor fma_pack_weight(torch::Tensor weight) {
-  const auto w = pack_input(weight, "fma_pack_weight");
+  TORCH_CHECK(weight.dim() == 2 && glue_dtype(weight),
+              "fma_pack_weight: weight must be bfloat16 or float32 [N, K]");
+  const auto w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   auto packed = torch::zeros(
       {round_up(n, mstar_cpu::kFmaCols) / mstar_cpu::kFmaCols, k, mstar_cpu::kFmaCols}, w.options());
-  mstar_cpu::fma_pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
+  by_dtype(w, "fma_pack_weight", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::fma_pack(w.data_ptr<T>(), n, k, packed.data_ptr<T>());
+  });
   return packed;
 }
 
-// x [M, K] bf16 (rows contiguous) @ weight.T (+ bias) -> [M, N] bf16, float32 accumulation
-// rounded once, over `fma_pack_weight`'s panels (see gemm_fma.cpp).
+// x [M, K] (rows contiguous) @ weight.T (+ bias) -> [M, N], all bf16 or all float32, float32
+// accumulation rounded once, over `fma_pack_weight`'s panels (see gemm_fma.cpp).
 torch::Tensor fma_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                          c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(fma_available(), "fma_linear: this CPU or build has no FMA");
-  check_gemm_x(x, "fma_linear");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK(x.dim() == 2 && glue_dtype(x) && x.stride(1) == 1,
+              "fma_linear: x must be bfloat16 or float32 [M, K] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == x.scalar_type() &&
                   packed.is_contiguous() && packed.size(2) == mstar_cpu::kFmaCols,
-              "fma_linear: packed must come from fma_pack_weight");
+              "fma_linear: packed must come from fma_pack_weight, in x's dtype");
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == k && n > 0 &&
                   round_up(n, mstar_cpu::kFmaCols) == panels * mstar_cpu::kFmaCols,
               "fma_linear: x's K or N does not match the packed weight");
-  const c10::BFloat16* bias_p = linear_bias(bias, n, "fma_linear");
   auto out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
-  mstar_cpu::fma_gemm(x.data_ptr<c10::BFloat16>(), x.stride(0), m, k,
-                      packed.data_ptr<c10::BFloat16>(), panels, n, bias_p,
-                      out.data_ptr<c10::BFloat16>());
+  by_dtype(x, "fma_linear", [&](auto tag) {
+    using T = decltype(tag);
+    mstar_cpu::fma_gemm(x.data_ptr<T>(), x.stride(0), m, k, packed.data_ptr<T>(), panels, n,
+                        linear_bias<T>(bias, n, "fma_linear"), out.data_ptr<T>());
+  });
   return out;
 }
 
-// One bf16 GEMM over a small-batch packed weight, the kernel told by its layout's rank (FMA 3,
+// One GEMM over a small-batch packed weight, the kernel told by its layout's rank (FMA 3,
 // VDPBF16PS 4, AMX 5): what `PackedLinear` runs for decode-sized batches.
 torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                            const c10::optional<torch::Tensor>& bias) {
@@ -366,7 +375,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   }
 }
 
-// Every decoder layer of a bf16 decode step in one call: per layer add+RMSNorm, QKV, RoPE, the
+// Every decoder layer of a decode step (bf16, or float32 over the FMA GEMM) in one call: per layer add+RMSNorm, QKV, RoPE, the
 // K/V write, paged decode attention, O, add+RMSNorm, gate/up, SiLU*up and down, the same
 // kernels in the same order as `DecoderLayer.forward` calls them one by one (so the same
 // bits), without its ~25 Python dispatches per layer (a batch-1 step 13.4-14.7 -> 12.0-12.5 ms).

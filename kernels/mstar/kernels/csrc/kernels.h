@@ -43,9 +43,9 @@ void argmax_rows_of(const T* xs, int64_t rows, int64_t vocab, int64_t stride, in
 void sample_rows_of(const float* xs, int64_t rows, int64_t vocab, int64_t stride,
                     const double* us, int64_t* o);
 
-// -- bf16 GEMMs for decode-sized batches (gemm_*.cpp) ---------------------------------------
+// -- GEMMs for decode-sized batches (gemm_*.cpp) ---------------------------------------------
 // Each packs a weight [N, K] once into its own panel layout and multiplies x [M, K] (row
-// stride lda, in elements) by it with float32 accumulation, rounded to bf16 once (+ bias).
+// stride lda, in elements) by it with float32 accumulation, rounded to x's type once (+ bias).
 
 // AMX tiles (gemm_amx.cpp): panels [ceil(N/32), ceil(K/32), 2, 16, 32]; x's K padded to the
 // packed K (the caller copies x when it is not).
@@ -64,12 +64,15 @@ void dpbf16_pack(const bf16* w, int64_t n, int64_t k, bf16* packed);
 void dpbf16_gemm(const bf16* x, int64_t lda, int64_t m, int64_t k, const bf16* packed,
                  int64_t panels, int64_t n, const bf16* bias, bf16* out);
 
-// FMA on bf16 widened in registers (gemm_fma.cpp), for CPUs without bf16 dot products:
-// panels [ceil(N/16), K, 16].
+// FMA (gemm_fma.cpp) over bf16 widened in registers, for CPUs without bf16 dot products, or
+// over float32 (T: bf16 or float, the same for x, weight, bias and out): panels
+// [ceil(N/16), K, 16].
 constexpr int64_t kFmaCols = 16;
 bool fma_compiled();
-void fma_pack(const bf16* w, int64_t n, int64_t k, bf16* packed);
-void fma_gemm(const bf16* x, int64_t lda, int64_t m, int64_t k, const bf16* packed,
-              int64_t panels, int64_t n, const bf16* bias, bf16* out);
+template <typename T>
+void fma_pack(const T* w, int64_t n, int64_t k, T* packed);
+template <typename T>
+void fma_gemm(const T* x, int64_t lda, int64_t m, int64_t k, const T* packed, int64_t panels,
+              int64_t n, const T* bias, T* out);
 
 }  // namespace mstar_cpu
