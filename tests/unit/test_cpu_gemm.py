@@ -6,6 +6,7 @@ has no bf16 math, and the choice an AVX2 CPU gets, its features substituted for 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -50,18 +51,25 @@ def test_bfloat16_load_close_to_transformers(tmp_path, monkeypatch, family, nati
     torch.testing.assert_close(ours, hf_logits(hf_bf16, ids), atol=0.1, rtol=0.05)
 
 
-def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
-    """Where the CPU has AMX tiles or AVX512-BF16, every bf16 projection keeps that kernel's
-    packed weight too, and batches up to its row limit run it (bias included); larger ones
-    oneDNN's kernel. Elsewhere no layer holds a second copy."""
+def _kernel_layers(folder, dtype: str) -> tuple[Any, list[PackedLinear]]:
+    """The kernels a tiny Qwen2 (QKV bias) loads with in ``dtype``, and three of its packed
+    layers: the LM head, a QKV and a down projection."""
     require_tool("g++")
     require_tool("ninja")
-    make_checkpoint(tmp_path, "qwen2")  # QKV bias
-    decoder, _, _ = load_model(tmp_path, "bfloat16")
+    make_checkpoint(folder, "qwen2")
+    decoder, _, _ = load_model(folder, dtype)
     kernels = decoder.cpu_kernels
     assert kernels is not None
     layers = [decoder.lm_head, *(getattr(decoder.layers[0], n) for n in ("qkv_proj", "down_proj"))]
     assert all(isinstance(layer, PackedLinear) for layer in layers)
+    return kernels, layers  # type: ignore[return-value]
+
+
+def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
+    """Where the CPU has AMX tiles or AVX512-BF16, every bf16 projection keeps that kernel's
+    packed weight too, and batches up to its row limit run it (bias included); larger ones
+    oneDNN's kernel. Elsewhere no layer holds a second copy."""
+    kernels, layers = _kernel_layers(tmp_path, "bfloat16")
     kernel = small_batch_kernel(kernels)
     if kernel is None:
         assert all(layer.small_batch_weight is None for layer in layers)
@@ -209,12 +217,7 @@ def test_float32_decode_sized_batches_take_the_fma_kernel(tmp_path):
     """With the kernels' FMA GEMM, float32 batches up to FLOAT32_FMA_MAX_ROWS rows run it over
     float32 panels (bias included), larger ones oneDNN's packed kernel, and no layer keeps a
     plain weight for MKL (the kernel takes those batches), on Intel or not."""
-    require_tool("g++")
-    require_tool("ninja")
-    make_checkpoint(tmp_path, "qwen2")  # QKV bias
-    decoder, _, _ = load_model(tmp_path, "float32")
-    kernels = decoder.cpu_kernels
-    assert kernels is not None
+    kernels, layers = _kernel_layers(tmp_path, "float32")
     assert small_batch_kernel(kernels, dtype=torch.float32) == (
         (kernels.fma_linear, kernels.fma_pack_weight, FLOAT32_FMA_MAX_ROWS)
         if kernels.fma_available()
@@ -222,10 +225,9 @@ def test_float32_decode_sized_batches_take_the_fma_kernel(tmp_path):
     )
     if not kernels.fma_available():
         pytest.skip(f"the {kernels.isa_level()} build has no FMA")
-    layers = [decoder.lm_head, *(getattr(decoder.layers[0], n) for n in ("qkv_proj", "down_proj"))]
     gen = torch.Generator().manual_seed(5)
     for layer in layers:
-        assert isinstance(layer, PackedLinear) and layer.small_batch_weight is not None
+        assert layer.small_batch_weight is not None
         assert layer.small_batch_linear == kernels.fma_linear and layer.weight is None
         assert layer.small_batch_weight.dtype == torch.float32
         for rows in (1, 9, FLOAT32_FMA_MAX_ROWS, FLOAT32_FMA_MAX_ROWS + 1):
