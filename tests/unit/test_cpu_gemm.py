@@ -22,6 +22,7 @@ from mstar.kernels.cpu_gemm import (
     DPBF16_MAX_ROWS,
     FLOAT32_FMA_MAX_ROWS,
     FMA_MAX_ROWS,
+    FMA_MAX_ROWS_AVX512,
     INTEL_FLOAT32_PACKED_MIN_ROWS,
     PackedLinear,
     float32_packed_min_rows,
@@ -80,7 +81,9 @@ def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
     elif kernels.dpbf16_available():
         assert (max_rows, linear) == (DPBF16_MAX_ROWS, kernels.dpbf16_linear)
     else:
-        assert (max_rows, linear) == (FMA_MAX_ROWS, kernels.fma_linear)
+        avx512 = "avx512f" in cpu_isa.planning_features().flags
+        want_rows = FMA_MAX_ROWS_AVX512 if avx512 else FMA_MAX_ROWS
+        assert (max_rows, linear) == (want_rows, kernels.fma_linear)
     gen = torch.Generator().manual_seed(3)
     for layer in layers:
         assert layer.small_batch_weight is not None
@@ -106,20 +109,34 @@ ZEN1_CPUINFO = (
     "xsave xsaveopt aes pclmulqdq rdrand rdseed clflushopt"
 )
 ZEN1_FLAGS = frozenset(ZEN1_CPUINFO.split())
+#: a Skylake-SP / Cascade Lake Xeon: AVX-512 without bf16 math (oneDNN emulates bf16 there)
+SKYLAKE_FLAGS = ZEN1_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 
+@pytest.mark.parametrize(
+    ("flags", "vendor", "level", "max_rows"),
+    [
+        (ZEN1_FLAGS, "AuthenticAMD", "x86-64-v3", FMA_MAX_ROWS),
+        (SKYLAKE_FLAGS, "GenuineIntel", "x86-64-v4", FMA_MAX_ROWS_AVX512),
+    ],
+    ids=["avx2", "avx512-no-bf16"],
+)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_bfloat16_on_an_avx2_cpu_never_asks_onednn_for_bf16(tmp_path, monkeypatch, family):
-    """An AVX2-only CPU (its features substituted, the kernels' x86-64-v3 build): oneDNN has no
-    bf16 GEMM there and raises on a bf16 weight, so bf16 layers keep the FMA kernel for
-    decode-sized batches and float32 copies for the rest, and the model stays close to
-    transformers in bf16."""
+def test_bfloat16_without_bf16_math_never_runs_onednn_bf16(
+    tmp_path, monkeypatch, family, flags, vendor, level, max_rows
+):
+    """A CPU without bf16 math (its features substituted, the kernels' build for it): on AVX2
+    oneDNN has no bf16 GEMM and raises on a bf16 weight, on AVX-512 it emulates one 2-3x slower
+    than its float32 kernel. So bf16 layers keep the FMA kernel for decode-sized batches and
+    float32 copies for the rest, and the model stays close to transformers in bf16."""
     require_tool("g++")
     require_tool("ninja")
-    avx2 = cpu_isa.CpuFeatures(ZEN1_FLAGS, "AuthenticAMD")
-    assert cpu_isa.best_level(avx2).name == "x86-64-v3" and not avx2.onednn_bf16
-    monkeypatch.setattr(cpu_isa, "detect", lambda: avx2)
-    monkeypatch.setenv(cpu_isa.ENV_LEVEL, "x86-64-v3")
+    cpu = cpu_isa.CpuFeatures(frozenset(flags), vendor)
+    assert cpu_isa.best_level(cpu).name == level and not cpu.bf16_math
+    if not cpu_isa.detect().runs(cpu_isa.resolve(level)):
+        pytest.skip(f"this CPU cannot run the {level} build")
+    monkeypatch.setattr(cpu_isa, "detect", lambda: cpu)
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, level)
     cpu_kernels.load.cache_clear()
     try:
         hf = make_checkpoint(tmp_path, family)
@@ -127,18 +144,18 @@ def test_bfloat16_on_an_avx2_cpu_never_asks_onednn_for_bf16(tmp_path, monkeypatc
     finally:
         cpu_kernels.load.cache_clear()
     kernels = decoder.cpu_kernels
-    assert kernels is not None and kernels.isa_level() == "x86-64-v3"
+    assert kernels is not None and kernels.isa_level() == level
     for layer in (decoder.lm_head, decoder.layers[0].qkv_proj, decoder.layers[1].down_proj):
         assert isinstance(layer, PackedLinear) and layer.upcast
         assert layer.few_rows_weight is None and layer.packed_weight.dtype == torch.float32
         assert layer.small_batch_linear == kernels.fma_linear
-        assert layer.small_batch_max_rows == FMA_MAX_ROWS
-    # Three prompts in one step: more rows than FMA_MAX_ROWS (float32 GEMMs), then one decode
-    # row each (the FMA kernel).
-    seqs = [random.Random(4 + s).choices(range(VOCAB), k=FMA_MAX_ROWS // 3 + 4) for s in range(3)]
+        assert layer.small_batch_max_rows == max_rows
+    # Three prompts in one step: more rows than max_rows (float32 GEMMs), then one decode row
+    # each (the FMA kernel).
+    seqs = [random.Random(4 + s).choices(range(VOCAB), k=max_rows // 3 + 4) for s in range(3)]
     pool = PagedPool(cfg, num_pages=48, page_size=4, dtype=torch.bfloat16)
     prompt = pool.step(decoder, [(s, ids[:-1]) for s, ids in enumerate(seqs)], all_logits=True)
-    assert prompt.shape[0] > FMA_MAX_ROWS
+    assert prompt.shape[0] > max_rows
     last = pool.step(decoder, [(s, ids[-1:]) for s, ids in enumerate(seqs)], all_logits=True)
     hf_bf16 = hf.to(torch.bfloat16)
     rows = len(seqs[0]) - 1

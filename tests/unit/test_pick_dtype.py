@@ -36,9 +36,10 @@ _ZEN4 = _SKYLAKE | {"avx512_bf16"}
         (_ZEN4, None, True),  # native bf16 math
         (_AVX2, _Kernels(fma=True), True),  # the FMA bf16 GEMM over half-size weights
         (_AVX2, None, False),  # kernels off: bf16 would be float32 GEMMs on copies
-        (_SKYLAKE, _Kernels(fma=True), False),  # oneDNN's emulated bf16
+        (_SKYLAKE, _Kernels(fma=True), True),  # the FMA GEMM, not oneDNN's emulated bf16
+        (_SKYLAKE, None, False),  # kernels off: oneDNN's emulated bf16 or float32 copies
     ],
-    ids=["avx512-bf16", "avx2", "avx2-no-kernels", "avx512-no-bf16"],
+    ids=["avx512-bf16", "avx2", "avx2-no-kernels", "avx512-no-bf16", "avx512-no-kernels"],
 )
 def test_bf16_is_preferred_where_it_is_measured_faster(monkeypatch, flags, kernels, want):
     monkeypatch.delenv(cpu_isa.ENV_LEVEL, raising=False)

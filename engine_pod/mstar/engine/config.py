@@ -39,11 +39,10 @@ class EngineConfig:
     dtype: str = field(
         default="auto",
         metadata=_flag(
-            "Weight and KV dtype. auto: bfloat16 on CUDA and on CPUs with native bf16 math "
-            "(AVX512-BF16 or AMX: half the bytes per token, the faster choice); float32 on other "
-            "CPUs: there bf16 runs its matmuls as float32 GEMMs on float32 copies of the "
-            "weights (oneDNN's emulated bf16 kernel is 3.6x slower at 32 rows), so it is about "
-            "as fast (within 5% offline), and float32 greedy output is token-exact against "
+            "Weight and KV dtype. auto: bfloat16 on CUDA, on CPUs with native bf16 math "
+            "(AVX512-BF16 or AMX) and on CPUs with FMA where the C++ kernels load (their bf16 "
+            "GEMM reads half the bytes per token of float32: the faster choice); float32 "
+            "where the kernels are off. float32 greedy output is token-exact against "
             "transformers.",
             choices=DTYPES,
         ),

@@ -299,10 +299,9 @@ def _pick_device(name: str) -> torch.device:
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on CUDA, and on CPUs where it is the faster dtype (`cpu_prefers_bf16`:
-    native bf16 math, or AVX2 with the kernels' FMA bf16 GEMM), where it halves the bytes each
-    token reads; float32 on other CPUs (AVX-512 without bf16 math: oneDNN's emulated bf16 GEMM
-    buys KV memory but no speed), the dtype whose greedy output is token-exact against
-    transformers.
+    native bf16 math, or the kernels' FMA bf16 GEMM), where it halves the bytes each token
+    reads; float32 where the kernels are off, the dtype whose greedy output is token-exact
+    against transformers.
     """
     if name == "auto":
         if device.type == "cuda" or cpu_prefers_bf16(cpu_kernels.load()):

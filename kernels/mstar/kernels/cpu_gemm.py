@@ -69,6 +69,16 @@ DPBF16_MAX_ROWS = 128
 #: 250 vs 400 at 128, but 1299 vs 1025 at 512 (load ~1.7).
 FMA_MAX_ROWS = 128
 
+#: Where the CPU has AVX-512 but no bf16 math (Skylake-SP, Cascade Lake: oneDNN emulates bf16
+#: GEMMs, 2-3x slower than its float32 kernel), bf16 batches up to this many rows run
+#: `cpu_kernels.fma_linear` (the x86-64-v4 build: zmm vectors, two accumulator chains) and
+#: larger ones the float32 GEMM on float32 copies, whose AVX-512 kernel overtakes it sooner than
+#: the AVX2 one does. Measured with the x86-64-v4 build and oneDNN capped at AVX512_CORE on a
+#: 2-core Xeon, SmolLM2's 210 projections and LM head, weights cold: 10.0 / 18.2 / 54.7 / 61.6 /
+#: 78.4 / 100.8 ms against oneDNN float32's 27.9 / 34.7 / 58.9 / 68.4 / 77.6 / 93.5 (and its
+#: emulated bf16's 19.4 / 59.2 / 162 / 186 / 220 / 283) at 1 / 8 / 32 / 40 / 48 / 64 rows.
+FMA_MAX_ROWS_AVX512 = 40
+
 
 #: float32 batches up to this many rows run `cpu_kernels.fma_linear` over float32 panels
 #: wherever the kernels have FMA (x86-64-v3 and up): oneDNN's packed float32 kernel streamed a
@@ -88,9 +98,9 @@ def small_batch_kernel(
     dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[Any, Any, int] | None:
     """(linear, pack_weight, max rows) of the GEMM for decode-sized batches of ``dtype`` on
-    this CPU. bf16: AMX tiles where it has them, else VDPBF16PS, else (where oneDNN has no bf16
-    GEMM) FMA on widened bf16. float32: FMA over float32 panels. None: oneDNN's kernel for
-    every batch."""
+    this CPU. bf16: AMX tiles where it has them, else VDPBF16PS, else (no bf16 math: AVX2, or
+    AVX-512 where oneDNN only emulates bf16) FMA on widened bf16. float32: FMA over float32
+    panels. None: oneDNN's kernel for every batch."""
     if kernels is None:
         return None
     if dtype == torch.float32:
@@ -104,8 +114,9 @@ def small_batch_kernel(
         return kernels.amx_linear, kernels.amx_pack_weight, AMX_MAX_ROWS
     if kernels.dpbf16_available():
         return kernels.dpbf16_linear, kernels.dpbf16_pack_weight, DPBF16_MAX_ROWS
-    if not features.onednn_bf16 and kernels.fma_available():
-        return kernels.fma_linear, kernels.fma_pack_weight, FMA_MAX_ROWS
+    if kernels.fma_available():
+        rows = FMA_MAX_ROWS_AVX512 if "avx512f" in features.flags else FMA_MAX_ROWS
+        return kernels.fma_linear, kernels.fma_pack_weight, rows
     return None
 
 
@@ -131,17 +142,16 @@ def cpu_has_bf16() -> bool:
 
 
 def cpu_prefers_bf16(kernels: Any | None) -> bool:
-    """bf16 is the faster dtype on this CPU: it has native bf16 math, or (AVX2) oneDNN has no
-    bf16 GEMM but the kernels' `fma_linear` reads half-size bf16 weights for decode-sized
-    batches. Measured with the x86-64-v3 build and oneDNN/ATen capped at AVX2 on a 2-core
-    Zen 5, offline SmolLM2, best of 2: bf16 40.6 tok/s against float32's 18.4 at batch 1, 80.7
-    against 81.8 at batch 32 (oneDNN's AVX2 float32 GEMM reads twice the bytes, slowly). An
-    AVX-512 CPU without bf16 math keeps float32: there oneDNN emulates bf16 GEMMs (3.6x slower
-    at 32 rows on a 2-core Xeon)."""
+    """bf16 is the faster dtype on this CPU: it has native bf16 math, or the kernels'
+    `fma_linear` reads half-size bf16 weights for decode-sized batches (prompt chunks run
+    float32 GEMMs on float32 copies, never oneDNN's emulated bf16). Measured with the
+    x86-64-v3 build and oneDNN/ATen capped at AVX2 on a 2-core Zen 5, offline SmolLM2, best of
+    2: bf16 40.6 tok/s against float32's 18.4 at batch 1, 80.7 against 81.8 at batch 32; at
+    x86-64-v4 (oneDNN capped at AVX512_CORE) on a 2-core Xeon: see bench_levels' results."""
     features = cpu_isa.planning_features()
     if features.bf16_math:
         return True
-    return not features.onednn_bf16 and kernels is not None and bool(kernels.fma_available())
+    return kernels is not None and bool(kernels.fma_available())
 
 
 def _onednn_linear(
@@ -169,7 +179,7 @@ class PackedLinear(nn.Module):
     the small-batch kernel takes that route, whatever ``float32_gemm`` says.
 
     ``kernels`` (`cpu_kernels.load()`'s extension): where `small_batch_kernel` finds one (bf16:
-    AMX tiles, AVX512-BF16, or FMA where oneDNN has no bf16; float32: FMA), a layer also keeps
+    AMX tiles, AVX512-BF16, or FMA without bf16 math; float32: FMA), a layer also keeps
     its weight in that kernel's layout (``small_batch_weight``), and batches up to its row
     limit run it (the same float32 accumulation rounded once).
 
@@ -218,7 +228,7 @@ class PackedLinear(nn.Module):
             self.min_rows = float32_packed_min_rows(features)
             self.weight = linear.weight
         elif self.upcast:
-            if features.onednn_bf16:  # one row stays on the bf16 weight: half the bytes
+            if features.onednn_bf16 and kernel is None:  # one row on the bf16 weight
                 self.min_rows = BF16_FLOAT32_GEMM_MIN_ROWS
                 self.few_rows_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             if linear.bias is not None:
