@@ -241,14 +241,14 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // True where this level has AMX bf16 tiles and the kernel granted them: `amx_linear` runs.
 bool amx_available() { return mstar_cpu::amx_compiled() && mstar_cpu::request_amx(); }
 
-// Weight [N, K] bf16 -> [ceil(N/32), ceil(K/32), 2, 16, 32] B tiles for `amx_linear`: per
-// panel of 32 columns and K step of 32, two tiles of 16 k-pairs x (16 columns x 2 k),
+// Weight [N, K] bf16 -> [ceil(N/32), ceil(K/32), 16, 2, 32] B tiles for `amx_linear`: per
+// panel of 32 columns and K step of 32, per k-pair the two tiles' rows (16 columns x 2 k each),
 // zero-padded past N and K.
 torch::Tensor amx_pack_weight(torch::Tensor weight) {
   const auto w = pack_input(weight, "amx_pack_weight");
   const int64_t n = w.size(0), k = w.size(1);
   auto packed = torch::zeros({round_up(n, mstar_cpu::kAmxPanelCols) / mstar_cpu::kAmxPanelCols,
-                              round_up(k, mstar_cpu::kAmxTileK) / mstar_cpu::kAmxTileK, 2, 16, 32},
+                              round_up(k, mstar_cpu::kAmxTileK) / mstar_cpu::kAmxTileK, 16, 2, 32},
                              w.options());
   mstar_cpu::amx_pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
   return packed;

@@ -47,7 +47,7 @@ void sample_rows_of(const float* xs, int64_t rows, int64_t vocab, int64_t stride
 // Each packs a weight [N, K] once into its own panel layout and multiplies x [M, K] (row
 // stride lda, in elements) by it with float32 accumulation, rounded to x's type once (+ bias).
 
-// AMX tiles (gemm_amx.cpp): panels [ceil(N/32), ceil(K/32), 2, 16, 32]; x's K padded to the
+// AMX tiles (gemm_amx.cpp): panels [ceil(N/32), ceil(K/32), 16, 2, 32]; x's K padded to the
 // packed K (the caller copies x when it is not).
 constexpr int64_t kAmxTileK = 32;
 constexpr int64_t kAmxPanelCols = 32;
