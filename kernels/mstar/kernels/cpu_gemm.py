@@ -125,8 +125,8 @@ def deterministic_kernel(kernels: Any | None) -> tuple[Any, Any] | None:
     VDPBF16PS where the CPU has it, else FMA on widened bf16, else None (refused). Each output
     element of either is one float32 sum over K in a fixed order, whatever the row count or a
     row's place in the batch (checked bitwise by the tests); oneDNN promises no such thing, and
-    the AMX kernel's row invariance is untested (no AMX machine here), so AMX CPUs take
-    VDPBF16PS too."""
+    the AMX kernel is not row-invariant (a one-row batch runs VDPBF16PS, more rows the tiles),
+    so AMX CPUs take VDPBF16PS too."""
     if kernels is None:
         return None
     if kernels.dpbf16_available():
