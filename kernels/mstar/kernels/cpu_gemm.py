@@ -146,8 +146,9 @@ def cpu_prefers_bf16(kernels: Any | None) -> bool:
     `fma_linear` reads half-size bf16 weights for decode-sized batches (prompt chunks run
     float32 GEMMs on float32 copies, never oneDNN's emulated bf16). Measured with the
     x86-64-v3 build and oneDNN/ATen capped at AVX2 on a 2-core Zen 5, offline SmolLM2, best of
-    2: bf16 40.6 tok/s against float32's 18.4 at batch 1, 80.7 against 81.8 at batch 32; at
-    x86-64-v4 (oneDNN capped at AVX512_CORE) on a 2-core Xeon: see bench_levels' results."""
+    2: bf16 40.6 tok/s against float32's 18.4 at batch 1, 80.7 against 81.8 at batch 32; with
+    the x86-64-v4 build and oneDNN capped at AVX512_CORE on a 2-core Xeon (bench_levels, best of
+    3): 11.0 against 19.5 ms per token at batch 1, 297 against 320 tok/s at batch 32."""
     features = cpu_isa.planning_features()
     if features.bf16_math:
         return True

@@ -175,13 +175,9 @@ void amx_pack(const bf16* src, int64_t n, int64_t k, bf16* dst) {
 void amx_gemm(const bf16* x, int64_t x_lda, int64_t m, int64_t steps, const bf16* packed,
               int64_t panels, int64_t n, const bf16* bias_p, bf16* out) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  const int64_t lda = x_lda * 2, full = m / kTileRows * kTileRows, tail = m - full;
-  const char* a_p = reinterpret_cast<const char*>(x);
   const c10::BFloat16* b_p = packed;
   c10::BFloat16* o_p = out;
   const int64_t panel_elems = steps * kBlockElems;
-  const int64_t passes = (m + 2 * kTileRows - 1) / (2 * kTileRows);
-  const int64_t prefetch = round_up(kBlockElems * 2 / passes, 64);  // bytes per K step
   if (m == 1) {  // one row: vector dot products over the tiles, no tile state
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       alignas(64) float c[kPanelCols];
@@ -195,6 +191,10 @@ void amx_gemm(const bf16* x, int64_t x_lda, int64_t m, int64_t steps, const bf16
     });
     return;
   }
+  const int64_t lda = x_lda * 2, full = m / kTileRows * kTileRows, tail = m - full;
+  const char* a_p = reinterpret_cast<const char*>(x);
+  const int64_t passes = (m + 2 * kTileRows - 1) / (2 * kTileRows);
+  const int64_t prefetch = round_up(kBlockElems * 2 / passes, 64);  // bytes per K step
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     // The last, partial A tile (fewer than 16 rows) loads from a zero-padded copy.
     const int64_t tail_lda = steps * kTileK * 2;
