@@ -62,6 +62,7 @@ def fake_flashinfer(log: Log) -> types.ModuleType:
                 "prefill" if self.__class__.__name__.startswith("BatchPrefill") else "decode"
             )
             self.args: list[Any] = []
+            self.lens: torch.Tensor | None = None
 
         def plan(self, *args: Any, **kw: Any) -> None:
             # The page indices are the device copy (CPU here): FlashInfer reads the rest from
@@ -72,6 +73,12 @@ def fake_flashinfer(log: Log) -> types.ModuleType:
             log.planned.append((host, [a.clone() for a in host]))
             log.events.append(f"plan {self.kind}")
             self.args = list(args)
+            # As FlashInfer's kv_lens buffer: grown when a step has more rows, rewritten by
+            # every plan after (an inference tensor here would refuse that write).
+            rows = args[0].numel()
+            if self.lens is None or self.lens.numel() < rows:
+                self.lens = torch.zeros(rows, dtype=I32)
+            self.lens[:rows].copy_(args[0])
 
         def run(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return q
@@ -143,6 +150,24 @@ def test_consecutive_prefill_plans_wait_for_the_previous_plans_copies(log: Log) 
     assert qo.tolist() == [0, 16] and kv_indptr.tolist() == [0, 12] and last.tolist() == [4]
     assert indices.device.type == "cpu"  # the device copy of the staged indices
     assert indices.tolist() == list(range(10, 22))
+
+
+def test_a_plan_under_inference_mode_leaves_buffers_later_plans_can_write(log: Log) -> None:
+    """Graph capture plans its padding steps under inference mode, steps plan outside it: what
+    the first plans allocate (workspace, wrappers, FlashInfer's lazily grown buffers) must stay
+    writable. The first H200 run failed every graph-on engine here."""
+    fi = backend(log)
+    graph = fi.graph_decode(4, 16)
+    with torch.inference_mode():
+        graph.plan(*decode_rows([5, 9, 1, 4]), **SHAPE)
+        fi.plan(*prefill_chunk(0, 8), **SHAPE)
+        fi.plan(*decode_rows([5]), **SHAPE)
+    graph.plan(*decode_rows([6, 10, 2, 5]), **SHAPE)
+    fi.plan(*prefill_chunk(8, 8), **SHAPE)
+    fi.plan(*decode_rows([6, 3, 7]), **SHAPE)  # more rows: the decode buffer grows, then is written
+    for wrapper in (fi._prefill, fi._decode, graph._wrapper):
+        assert wrapper.lens is not None and not wrapper.lens.is_inference()
+    assert not fi._workspace.is_inference()
 
 
 def test_staging_buffer_is_reused_step_after_step(log: Log) -> None:

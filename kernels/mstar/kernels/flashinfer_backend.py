@@ -22,6 +22,12 @@ model's heads and the largest graph bucket (`flashinfer_workspace`). Each wrappe
 plan arrays in page-locked memory and re-plans only once the device has read the last ones
 (`plan_staging`), so no decode step makes a pageable copy of its metadata.
 
+Every ``plan`` runs with inference mode off, whatever mode its caller is in. FlashInfer's plan
+allocates buffers lazily (the workspace and wrappers at the first plan, a longer ``kv_lens``
+buffer when a step has more rows) and writes into them at every later plan; a buffer made under
+inference mode (graph capture plans its padding steps there) is an inference tensor, which a
+later plan outside it may not write. The first H200 run failed every graph-on engine that way.
+
 ``runs`` counts kernel calls, so a test can prove FlashInfer really served a step.
 
 ``deterministic`` (``--deterministic``): every plan passes ``disable_split_kv=True``, so each
@@ -179,6 +185,7 @@ class FlashInferPagedAttention:
         view.copy_(host, non_blocking=True)
         return view
 
+    @torch.inference_mode(False)
     def plan(
         self,
         qo_indptr: torch.Tensor,
@@ -292,6 +299,7 @@ class FlashInferGraphDecode:
             )
         return self._wrapper
 
+    @torch.inference_mode(False)
     def plan(
         self,
         qo_indptr: torch.Tensor,
