@@ -17,7 +17,8 @@
 #   3. the GPU tests: the plan-race reproducer, the offload-corruption test (its CUDA variants),
 #      test_kv_cuda, test_sampler_cuda, FlashInfer vs torch kernels, then the engine tests;
 #      then, alone, the race control (the reproducer with the fix switched off must fail);
-#   4. decode tok/s at batch 1/8/32/64, CUDA graphs on and off (skipped with < 45 s left).
+#   4. which host calls block until the device catches up (tests/gpu/host_sync.py), then decode
+#      tok/s at batch 1/8/32/64, CUDA graphs on and off (skipped with < 45 s left).
 # GPU only: the C++ CPU kernels are off (MSTAR_CPU_KERNELS=0) and nothing here builds them.
 # Everything printed lands in $OUT/first-run.log too, pytest's reports in $OUT/pytest-*.xml.
 # Exit status: 0 all passed; 2 import or hand-off failed; 3 JIT or kernel tests failed (the
@@ -90,7 +91,8 @@ EOF
   local race=tests/gpu/test_plan_race.py
   capped $(($(left) - 80)) python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 120 \
     --junitxml "$OUT/pytest-gpu.xml" "${only[@]}" \
-    "$race::test_chunked_prefill_on_a_lagging_device_matches_torch" \
+    "$race::test_alternating_plans_on_a_lagging_device_match_torch" \
+    "$race::test_chunked_prefill_on_a_lagging_device_equals_the_unlagged_run" \
     "${offload}[cuda-float32-torch]" "${offload}[cuda-bf16-flashinfer-graphs]" \
     tests/unit/test_kv_cuda.py tests/unit/test_sampler_cuda.py \
     tests/unit/test_kernels_paged_attention.py::test_flashinfer_matches_torch \
@@ -100,9 +102,10 @@ EOF
   stage "3b. race control: the same run without the wait must go wrong (alone: it may fault)"
   capped 40 python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 35 \
     --junitxml "$OUT/pytest-control.xml" \
-    "$race::test_control_without_the_wait_the_lagging_run_goes_wrong" || rc=1
+    "$race::test_control_without_the_wait_alternating_plans_go_wrong" || rc=1
 
-  stage "4. decode tok/s, graphs on and off"
+  stage "4. host calls that wait for the device; decode tok/s, graphs on and off"
+  capped 30 python3 tests/gpu/host_sync.py | tee "$OUT/host-sync.md" || rc=1
   if (($(left) >= 45)); then
     MSTAR_KV_DEBUG_ASSERTS=0 capped $(($(left) - 3)) python3 tests/gpu/bench_decode.py --steps 32 \
       | tee "$OUT/decode-table.md" || rc=1

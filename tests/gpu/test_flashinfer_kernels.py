@@ -16,37 +16,26 @@ from __future__ import annotations
 import time
 
 import torch
-from cuda_testing import needs_cuda, needs_flashinfer
-from paged_cases import decode_case
+from cuda_testing import (
+    KERNEL_SHAPE,
+    cuda_decode_case,
+    needs_cuda,
+    needs_flashinfer,
+    torch_attention,
+)
 
-from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention
+from mstar.kernels import FlashInferPagedAttention
 
 pytestmark = [needs_cuda, needs_flashinfer]
 
-HQ, HKV, D, PAGE = 8, 2, 64, 16
-SHAPE = dict(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE)
 #: ~0.5 s of busy device work at the H200's ~2 GHz
 SLEEP_CYCLES = 1_000_000_000
 
 
-def _decode_case(lens: list[int], seed: int):  # type: ignore[no-untyped-def]
-    """A bf16 paged pool on CUDA with one sequence per length, its q rows and CSR plan."""
-    pool, _, q, plan = decode_case(
-        lens, page_size=PAGE, heads=(HQ, HKV, D), seed=seed, dtype=torch.bfloat16, q_scale=2.0
-    )
-    return pool.cuda(), q.cuda(), plan
-
-
-def _torch_reference(pool: torch.Tensor, q: torch.Tensor, plan: tuple) -> torch.Tensor:
-    ref = TorchPagedAttention("cuda")
-    ref.plan(*plan, **SHAPE)
-    return ref.run(q, pool)
-
-
 def test_flashinfer_kernels_run_on_torchs_current_stream() -> None:
-    pool, q, plan = _decode_case([37, 200, 5, 64], seed=0)
+    pool, q, plan = cuda_decode_case([37, 200, 5, 64], seed=0)
     fi = FlashInferPagedAttention("cuda", torch.bfloat16)
-    fi.plan(*plan, **SHAPE)  # the first plan/run compiles the FA2 module (JIT)
+    fi.plan(*plan, **KERNEL_SHAPE)  # the first plan/run compiles the FA2 module (JIT)
     expected = fi.run(q, pool).cpu()
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
@@ -68,9 +57,9 @@ def test_captured_graph_decode_replays_each_new_plan() -> None:
     fi = FlashInferPagedAttention("cuda", torch.bfloat16)
     graph_decode = fi.graph_decode(bs, max_pages=128)
     # The captured run reads this pool; later layouts address pages of it (ids below 70).
-    pool, q0, plan0 = _decode_case([600, 512, 300, 250], seed=1)
+    pool, q0, plan0 = cuda_decode_case([600, 512, 300, 250], seed=1)
     q_static = q0.clone()
-    graph_decode.plan(*plan0, **SHAPE)
+    graph_decode.plan(*plan0, **KERNEL_SHAPE)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture
@@ -80,15 +69,16 @@ def test_captured_graph_decode_replays_each_new_plan() -> None:
     with torch.cuda.graph(graph):
         out_static = graph_decode.run(q_static, pool)
     layouts = [[37, 200, 5, 64], [1, 512, 17, 300], [16, 16, 33, 129], [600, 2, 90, 250]]
-    cases = [(q0, plan0)] + [_decode_case(lens, seed=s)[1:] for s, lens in enumerate(layouts, 2)]
+    later = [cuda_decode_case(lens, seed=s)[1:] for s, lens in enumerate(layouts, 2)]
+    cases = [(q0, plan0), *later]
     for q, plan in cases:
-        graph_decode.plan(*plan, **SHAPE)  # rewrites the fixed buffers the graph reads
+        graph_decode.plan(*plan, **KERNEL_SHAPE)  # rewrites the fixed buffers the graph reads
         q_static.copy_(q)
         graph.replay()
         replayed = out_static.clone()
-        fi.plan(*plan, **SHAPE)
+        fi.plan(*plan, **KERNEL_SHAPE)
         eager = fi.run(q, pool)
-        reference = _torch_reference(pool, q, plan)
+        reference = torch_attention(pool, q, plan)
         torch.testing.assert_close(replayed.float(), reference.float(), atol=2e-2, rtol=2e-2)
         # Graph plans always split KV and merge; eager ones may not: one bf16 rounding apart.
         torch.testing.assert_close(replayed.float(), eager.float(), atol=1e-2, rtol=1e-2)
