@@ -16,7 +16,7 @@
 #      says what the torch path and the KV/sampler CUDA code do;
 #   3. the GPU tests: the plan-race reproducer, the offload-corruption test (its CUDA variants),
 #      test_kv_cuda, test_sampler_cuda, FlashInfer vs torch kernels, then the engine tests;
-#      then, alone, the race control (the reproducer with the fix switched off must fail);
+#      then, alone, the race control (the kernel-level sequence with the wait off must go wrong);
 #   4. which host calls block until the device catches up (tests/gpu/host_sync.py), then decode
 #      tok/s at batch 1/8/32/64, CUDA graphs on and off (skipped with < 45 s left).
 # GPU only: the C++ CPU kernels are off (MSTAR_CPU_KERNELS=0) and nothing here builds them.
@@ -99,7 +99,7 @@ EOF
     tests/gpu/test_gpu_engine.py tests/engine/test_engine_cuda.py || ((rc = rc ? rc : 1))
   ((rc == 3)) && return $rc
 
-  stage "3b. race control: the same run without the wait must go wrong (alone: it may fault)"
+  stage "3b. race control: alternating plans without the wait must go wrong (alone: it may fault)"
   capped 40 python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 35 \
     --junitxml "$OUT/pytest-control.xml" \
     "$race::test_control_without_the_wait_alternating_plans_go_wrong" || rc=1

@@ -10,16 +10,17 @@ the re-plans at which the previous plan's copy had indeed not run yet (the race'
 
 - Kernel level: alternating batches of 4 and 9 decode rows, one plan and run each, behind the
   lag. With the wait every output matches the torch backend; the control, the same sequence with
-  the wait switched off, must see an output go wrong (or the device fault), so the hazard is known
-  to be real in this FlashInfer.
-- Engine level: long prompts under a 32-token step budget make many prefill-only steps in a row
-  (they sample nothing, so nothing else synchronises). The lagging run must equal, token and
-  log-probability, the same engine without the lag: same kernels, same batches.
+  the wait switched off, must count the host ahead and see an output go wrong, so the hazard is
+  known to be real in this FlashInfer (on the H200: ahead at 7 of 8 re-plans, 7 outputs wrong).
+- Engine level: long prompts under a 32-token step budget make many prefill-only steps in a row.
+  The lagging run must equal, token and log-probability, the same engine without the lag: same
+  kernels, same batches.
 
-The first H200 run (FlashInfer 0.6.13) showed the engine-level run identical with and without
-the wait: consecutive chunks of one prompt get plans of the same tile layout, so a rewritten
-buffer there changes nothing, which is why the control is at the kernel level, where the plans
-differ. ``first_run.sh`` runs the control alone and last: garbled attention can fault the device.
+The engine-level run does not reproduce the race today: on the H200 the host was ahead at 0 of
+46 re-plans, because the sampler's per-step index tensors are blocking copies that wait for the
+device every step (found with torch's sync debug mode). That is why the control is at the kernel
+level; once those copies stop blocking, the engine-level test exercises the wait too.
+``first_run.sh`` runs the control alone and last: garbled attention could fault the device.
 """
 
 from __future__ import annotations
