@@ -18,6 +18,9 @@ from collections.abc import Callable
 import torch
 from cuda_testing import KERNEL_SHAPE, cuda_decode_case
 
+from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
+from mstar.engine.resources.step import ResourceStep, Segment, StepContext
+from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import FlashInferPagedAttention
 
 #: ~50 ms of device work at the H200's ~2 GHz
@@ -49,12 +52,26 @@ def main() -> None:
         torch.tensor([4], dtype=i32),
     )
     graph = fi.graph_decode(4, 128)
+    sampler = SamplerResource(4096, device="cuda", seed=0)
+    params = SamplingParams(seed=1, top_p=0.9, repetition_penalty=1.1, logprobs=2)
+    rids = [f"r{i}" for i in range(8)]
+    for rid in rids:
+        sampler.ingest_request(rid, SamplerRequestConfig(params, [1, 2, 3]))
+    step = ResourceStep(segments=tuple(Segment(r, "main", 1) for r in rids))
+    ctx = StepContext(request_ids=rids, graph_walk="decode", slot=0, capture=False)
+
+    def churn() -> None:  # a request joins and leaves, as at admission and release
+        sampler.ingest_request("x", SamplerRequestConfig(params, [4, 5]))
+        sampler.remove_request("x")
+
     calls = {
         "pageable int64 H2D copy, non_blocking": lambda: pageable.to("cuda", non_blocking=True),
         "pinned int64 H2D copy, non_blocking": lambda: pinned.to("cuda", non_blocking=True),
         "eager decode plan": lambda: fi.plan(*decode, **KERNEL_SHAPE),
         "eager prefill plan": lambda: fi.plan(*prefill, **KERNEL_SHAPE),
         "graph decode plan": lambda: graph.plan(*decode, **KERNEL_SHAPE),
+        "sampler plan, 8 seeded top-p rows with penalties": lambda: sampler.plan(step, ctx),
+        "sampler request in and out": churn,
     }
     gpu = torch.cuda.get_device_name()
     print(f"host time of each call behind ~50 ms of queued device work, {gpu}")

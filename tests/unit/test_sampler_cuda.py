@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -76,6 +77,40 @@ def test_cuda_seeded_distribution() -> None:
     counts = [toks.count(t) for t in range(4)]
     chi2 = sum((c - 20000 * p) ** 2 / (20000 * p) for c, p in zip(counts, probs, strict=True))
     assert chi2 < 16.27, counts
+
+
+@needs_cuda
+def test_host_calls_do_not_wait_for_the_device() -> None:
+    """Admission, planning, commit and release queue their copies behind the device's work.
+
+    The engine plans step n+1 while step n's forward runs: a synchronous copy in any of these
+    would make the host wait out that forward every step (on the H200 the sampler's index
+    tensors did). Each call runs behind ~100 ms of queued device work, and that work must still
+    be running when the call returns.
+    """
+    vocab = 4096
+    res = build("cuda", vocab, MIX)
+    step, ctx = layout(len(MIX))
+    logits = torch.randn(len(MIX), vocab, device="cuda")
+
+    def returns_before_the_device(name: str, call: Callable[[], object]) -> None:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        queued = torch.cuda.Event()
+        queued.record()
+        call()
+        assert not queued.query(), f"{name} waited for the device"
+
+    late = SamplingParams(seed=3, min_tokens=2, logit_bias={5: 1.0}, repetition_penalty=1.2)
+    returns_before_the_device(
+        "ingest_request", lambda: res.ingest_request("late", SamplerRequestConfig(late, [1, 2]))
+    )
+    returns_before_the_device("remove_request", lambda: res.remove_request("late"))
+    plans = []
+    returns_before_the_device("plan", lambda: plans.append(res.plan(step, ctx)))
+    res.sample(plans[0], logits)  # reads the tokens back: this one waits, by design
+    returns_before_the_device("commit", lambda: res.commit(step, ctx))
+    torch.cuda.synchronize()
 
 
 def bench(device: str, vocab: int, batch_sizes: list[int], iters: int) -> None:

@@ -41,6 +41,7 @@ from mstar.engine.cuda_graphs import (
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.outputs import ErrorKind, RequestError
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
+from mstar.engine.resources.host_copy import to_device
 from mstar.engine.resources.kv.plan import build_plan
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SampleOutput, SamplerResource
@@ -151,20 +152,14 @@ class ModelRunner:
         tokens: list[int] = []
         for r in batch.rows:
             tokens.extend(r.request.tokens_to_compute(r.num_tokens))
-        # Page-locked on CUDA, so the copy is truly asynchronous; torch's pinned-memory cache
-        # reuses a block only once the copy that read it has run.
-        pinned = self.device.type == "cuda"
-        ids = torch.tensor(tokens, dtype=torch.long, pin_memory=pinned)
-        input_ids = ids.to(self.device, non_blocking=True)
+        input_ids = to_device(tokens, torch.long, self.device)
         with torch.inference_mode():
             if lease is not None and lease.bucket is not None and self.graphs is not None:
                 logits = self.graphs.run(lease, input_ids, plans[ROPE], plans[ATTN])
             else:
                 ends = plans[KV].qo_indptr[1:].tolist()
-                index = torch.tensor([ends[i] - 1 for i in batch.sample_rows], dtype=torch.long)
-                logits = self.decoder(
-                    input_ids, plans[ROPE], plans[ATTN], index.to(self.device, non_blocking=True)
-                )
+                index = to_device([ends[i] - 1 for i in batch.sample_rows], torch.long, self.device)
+                logits = self.decoder(input_ids, plans[ROPE], plans[ATTN], index)
             # The forward is queued on the device: plan the next step meanwhile.
             self._preplan_next(batch)
             if not batch.sample_rows:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mstar.engine.resources.host_copy import to_device
 from mstar.engine.resources.kv.config import KVConfig
 
 __all__ = ["KVCache"]
@@ -61,9 +62,9 @@ class KVCache:
 
     def gather_pages(self, pages: list[int]) -> torch.Tensor:
         """All layers, K and V, of ``pages``: ``[layers, len(pages), 2, ps, heads, dim]``."""
-        index = torch.tensor(pages, dtype=torch.long, device=self.tensor.device)
+        index = to_device(pages, torch.long, self.tensor.device)
         return self.tensor.index_select(1, index)
 
     def scatter_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        index = torch.tensor(pages, dtype=torch.long, device=self.tensor.device)
+        index = to_device(pages, torch.long, self.tensor.device)
         self.tensor.index_copy_(1, index, data.to(self.tensor.device, self.tensor.dtype))

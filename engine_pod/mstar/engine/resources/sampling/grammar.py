@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from mstar.engine.resources.host_copy import to_device
 from mstar.engine.sampling_params import GrammarSpec
 
 if TYPE_CHECKING:
@@ -243,7 +244,7 @@ def apply_masks(logits: torch.Tensor, result: MaskResult) -> None:
     if result.rows == list(range(logits.shape[0])):  # every row has a grammar: no gather
         logits.masked_fill_(forbidden, float("-inf"))
         return
-    index = torch.tensor(result.rows, dtype=torch.int64, device=logits.device)
+    index = to_device(result.rows, torch.int64, logits.device)
     rows = logits.index_select(0, index)
     rows.masked_fill_(forbidden, float("-inf"))
     logits.index_copy_(0, index, rows)

@@ -16,6 +16,7 @@ import torch
 
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.resources.base import Resource
+from mstar.engine.resources.host_copy import to_device
 from mstar.engine.resources.sampling import ops
 from mstar.engine.resources.sampling.grammar import (
     GrammarBackend,
@@ -81,7 +82,7 @@ class SamplerResource(Resource):
         # Row 0 of each table is reserved: identity parameters (padding rows) / zero state.
         cap = max(2, initial_capacity)
         self._params = torch.empty((cap, _NCOLS), dtype=torch.float32, device=self.device)
-        self._params[:] = torch.tensor(_IDENTITY_ROW)
+        self._params[:] = to_device(_IDENTITY_ROW, torch.float32, self.device)
         self._free_slots = list(range(cap - 1, 0, -1))
         self._counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=self.device)
         self._prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
@@ -123,7 +124,7 @@ class SamplerResource(Resource):
             features |= _F_PENALTY
             pen_row = self._open_pen_row(cfg.prompt_token_ids)
         slot = self._take_slot()
-        self._params[slot] = torch.tensor(
+        self._params[slot] = to_device(
             (
                 1.0 if greedy else p.temperature,
                 p.top_p - ops.TOP_P_EPS if p.top_p < 1.0 else 2.0,
@@ -133,7 +134,9 @@ class SamplerResource(Resource):
                 p.frequency_penalty,
                 float(top_k),
                 1.0 if greedy else 0.0,
-            )
+            ),
+            torch.float32,
+            self.device,
         )
         state = RequestState(
             params=p,
@@ -155,20 +158,20 @@ class SamplerResource(Resource):
                 raise ValueError("this sampler has no grammar backend")
             req.matcher = self.grammar.matcher(p.grammar)
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=dev)
-            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=dev)
+            ids = to_device(list(p.logit_bias), torch.int64, dev)
+            values = to_device(list(p.logit_bias.values()), torch.float32, dev)
             req.bias = (ids, values)
         if p.min_tokens and p.grammar is None:
             stops = {*p.stop_token_ids, *(() if p.ignore_eos else self._eos)}
             held = sorted(t for t in stops if t < self.vocab_size)
             if held:
-                req.min_suppress = torch.tensor(held, dtype=torch.int64, device=dev)
+                req.min_suppress = to_device(held, torch.int64, dev)
 
     def remove_request(self, request_id: str) -> None:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
-        self._params[req.slot] = torch.tensor(_IDENTITY_ROW)
+        self._params[req.slot] = to_device(_IDENTITY_ROW, torch.float32, self.device)
         self._free_slots.append(req.slot)
         if req.pen_row:
             self._free_pen_rows.append(req.pen_row)
@@ -189,7 +192,7 @@ class SamplerResource(Resource):
             old = self._params.shape[0]
             grown = torch.empty((2 * old, _NCOLS), dtype=torch.float32, device=self.device)
             grown[:old] = self._params
-            grown[old:] = torch.tensor(_IDENTITY_ROW)
+            grown[old:] = to_device(_IDENTITY_ROW, torch.float32, self.device)
             self._params = grown
             self._free_slots = list(range(2 * old - 1, old - 1, -1))
         return self._free_slots.pop()
@@ -210,7 +213,7 @@ class SamplerResource(Resource):
         self._counts[row].zero_()
         self._prompt_mask[row].zero_()
         if prompt:
-            ids = torch.tensor(prompt, dtype=torch.int64, device=self.device)
+            ids = to_device(prompt, torch.int64, self.device)
             self._prompt_mask[row].index_fill_(0, ids, True)
         return row
 
@@ -238,7 +241,7 @@ class SamplerResource(Resource):
                 req = self._reqs[plan.request_ids[i]]
                 assert req.seed_base is not None
                 keys.append(ops.row_key(req.seed_base, req.num_output))
-            plan.seeded_keys = torch.tensor(keys, dtype=torch.int64, device=self.device)
+            plan.seeded_keys = to_device(keys, torch.int64, self.device)
         self._plan_constraints(plan)
         return plan
 
@@ -335,7 +338,7 @@ class SamplerResource(Resource):
         n = len(rids)
         all_greedy = n_greedy == n
         dev = self.device
-        cols = self._params.index_select(0, torch.tensor(slots, dtype=torch.int64, device=dev))
+        cols = self._params.index_select(0, to_device(slots, torch.int64, dev))
         use_pen = bool(any_bits & _F_PENALTY)
 
         def col(c: int, live: bool) -> torch.Tensor | None:
@@ -352,13 +355,11 @@ class SamplerResource(Resource):
             top_p_cut=col(_TOP_P_CUT, bool(any_bits & _F_TOPP)),
             top_p_in_top_k=not top_p_alone,
             log_min_p=col(_LOG_MIN_P, bool(any_bits & _F_MINP)),
-            pen_rows=torch.tensor(pen_rows, dtype=torch.int64, device=dev) if use_pen else None,
+            pen_rows=to_device(pen_rows, torch.int64, dev) if use_pen else None,
             repetition=col(_REP, use_pen),
             presence=col(_PRES, use_pen),
             frequency=col(_FREQ, use_pen),
-            seeded_rows=torch.tensor(seeded_rows, dtype=torch.int64, device=dev)
-            if seeded_rows
-            else None,
+            seeded_rows=to_device(seeded_rows, torch.int64, dev) if seeded_rows else None,
             seeded_keys=None,
             seeded_index=tuple(seeded_rows),
             any_random=any_random,
@@ -432,8 +433,8 @@ class SamplerResource(Resource):
                 pen_batch_rows.append(i)
         if pen_slots:
             dev = self.device
-            toks = tokens.index_select(0, torch.tensor(pen_batch_rows, device=dev))
-            rows = torch.tensor(pen_slots, dtype=torch.int64, device=dev)
+            toks = tokens.index_select(0, to_device(pen_batch_rows, torch.int64, dev))
+            rows = to_device(pen_slots, torch.int64, dev)
             self._counts.index_put_((rows, toks), torch.ones((), device=dev), accumulate=True)
 
     def cleanup(self) -> None:
@@ -533,7 +534,7 @@ class SamplerResource(Resource):
             return None
         rows = [r for r, _ in plan.logprob_rows]
         kmax = max(k for _, k in plan.logprob_rows)
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        idx = to_device(rows, torch.int64, self.device)
         chosen_lp, top_v, top_i = ops.logprobs_of(
             logits.index_select(0, idx), tokens.index_select(0, idx), kmax
         )
