@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path's first run (issue 32), as ONE device call on an H200 (torch 2.11, no FlashInfer):
 #
-#   bash tests/gpu/fetch_wheels.sh                      # here, once: .whl/ (17.5 MB)
+#   bash tests/gpu/fetch_wheels.sh                      # here, once: .whl/ (29 MB)
 #   device run, carry [".whl"], timeout_s 360:  bash tests/gpu/first_run.sh
 #
 # Staged, every stage headed with the seconds spent so far, inside BUDGET_S (default 300 s), so
@@ -15,7 +15,8 @@
 #      plans; on a failure only stage 3's tests that use no FlashInfer run, so one call still
 #      says what the torch path and the KV/sampler CUDA code do;
 #   3. the GPU tests: the plan-race reproducer, the offload-corruption test (its CUDA variants),
-#      test_kv_cuda, test_sampler_cuda, FlashInfer vs torch kernels, then the engine tests;
+#      test_kv_cuda, test_sampler_cuda, FlashInfer vs torch kernels, the engine tests, then the
+#      real server with the `openai` client;
 #      then, alone, the race control (the kernel-level sequence with the wait off must go wrong);
 #   4. which host calls block until the device catches up (tests/gpu/host_sync.py), then decode
 #      tok/s at batch 1/8/32/64, CUDA graphs on and off (skipped with < 45 s left).
@@ -96,7 +97,8 @@ EOF
     "${offload}[cuda-float32-torch]" "${offload}[cuda-bf16-flashinfer-graphs]" \
     tests/unit/test_kv_cuda.py tests/unit/test_sampler_cuda.py \
     tests/unit/test_kernels_paged_attention.py::test_flashinfer_matches_torch \
-    tests/gpu/test_gpu_engine.py tests/engine/test_engine_cuda.py || ((rc = rc ? rc : 1))
+    tests/gpu/test_gpu_engine.py tests/engine/test_engine_cuda.py tests/gpu/test_gpu_server.py \
+    || ((rc = rc ? rc : 1))
   ((rc == 3)) && return $rc
 
   stage "3b. race control: alternating plans without the wait must go wrong (alone: it may fault)"
