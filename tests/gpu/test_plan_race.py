@@ -16,10 +16,11 @@ the re-plans at which the previous plan's copy had indeed not run yet (the race'
   The lagging run must equal, token and log-probability, the same engine without the lag: same
   kernels, same batches.
 
-The engine-level run does not reproduce the race today: on the H200 the host was ahead at 0 of
-46 re-plans, because the sampler's per-step index tensors are blocking copies that wait for the
-device every step (found with torch's sync debug mode). That is why the control is at the kernel
-level; once those copies stop blocking, the engine-level test exercises the wait too.
+The engine-level run has not reproduced the race on the H200: the host was ahead at 0 of 46
+re-plans, both with the sampler's index tensors as blocking copies and after they stopped
+blocking, though torch's sync debug mode finds no waiting call in prefill-only steps
+(``sync_points.py``); what holds the host back there is not known yet. That is why the control
+is at the kernel level; the engine-level test still checks that the lag changes nothing.
 ``first_run.sh`` runs the control alone and last: garbled attention could fault the device.
 """
 
