@@ -385,13 +385,14 @@ def test_decode_kernel_reads_q_in_place_from_fused_rows(page_size, hq, hkv, d, k
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
 def test_prefill_kernel_prompts_and_chunks_from_fused_rows(
     d: int, dtype: torch.dtype, kernel_level: str
 ) -> None:
     """Fresh prompts and chunks after cached keys, across the kernel's 32-row blocks and its
     4-row tails, beside decode rows; q a strided view of fused QKV rows, 16-token pages; every
-    level's build (the value sums in passes of a few vectors each on AVX2)."""
+    level's build (the value sums in passes of a few vectors each on AVX2; on AMX, bf16 takes
+    the tile kernel: one k-step of Q.K^T at 32, four passes of output tiles at 256)."""
     specs = [(70, 70), (1, 1), (140, 37), (5, 5), (33, 1), (200, 64), (2, 2)]
     hq, hkv, page_size = 9, 3, 16
     pool, dense, q, plan = build_case(10, page_size, hq, hkv, d, specs, 60, dtype)

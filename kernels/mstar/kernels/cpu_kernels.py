@@ -9,7 +9,12 @@
   caches; bf16 loads widen to float32 and the output rounds back once.
 - ``paged_prefill``: causal attention for a step's prompt chunks over the same pages, fresh
   prompts and chunks after cached keys alike (torch's SDPA, run per sequence on a gathered
-  copy, took 2x as long for a 140-token prompt with SmolLM2's heads).
+  copy, took 2x as long for a 140-token prompt with SmolLM2's heads). bf16 on AMX: 16 query
+  rows per tile, Q.K^T and P.V as tile products (P rounded to bf16 first, as FlashAttention
+  does); SmolLM2's heads, 16 prompts of 128 tokens, per layer: 3.05 -> 1.24 ms, one 2,048-token
+  prompt 34.8 -> 12.2 ms (2-core Xeon). Elsewhere vectors; every level masks the softmax's last
+  partial vector instead of a scalar exp per key past it (16 x 128: 3.12 -> 2.61 ms on the
+  AVX512-BF16 build, 3.77 -> 3.54 on AVX2).
 - ``write_kv``: a step's new K/V rows into a layer's pages, one copy per token (the torch path
   computes slot rows and runs two ``index_copy_`` per layer).
 - ``add_rms_norm_``: the residual add and HF's RMSNorm in one pass (float32 or bf16, rounded

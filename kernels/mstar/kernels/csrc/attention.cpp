@@ -5,6 +5,7 @@
 #include <atomic>
 #include <vector>
 
+#include "amx.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -300,6 +301,18 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
 // for 4 query rows of a head at a time takes 2W scores per pass over D (one K load feeds 4
 // FMAs), a softmax in float32, and the value sum with 4 x PC accumulators in registers
 // (as many passes over the keys as that takes to cover D).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Indices interleaving 16 bf16 of x0 (from its element `first`) with x1's: x0[k], x1[k], ...
+inline __m512i pair_index(int first) {
+  alignas(64) uint16_t idx[32];
+  for (int k = 0; k < 16; ++k) {
+    idx[2 * k] = static_cast<uint16_t>(first + k);
+    idx[2 * k + 1] = static_cast<uint16_t>(32 + first + k);
+  }
+  return _mm512_load_si512(idx);
+}
+#endif
+
 constexpr int64_t PF_ROWS = 32;
 constexpr int PF_R = 4;
 constexpr int PF_S = 2;  // key vectors per float32 score pass: 8 FMA chains, FMA's latency hidden
@@ -324,6 +337,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
   for (int64_t it = 0; it < n_items; ++it) {
     const int64_t b = items[3 * it], hk = items[3 * it + 1], r0 = items[3 * it + 2];
     const int64_t n = q_lens[b], first = kv_lens[b] - n, r1 = std::min(n, r0 + PF_ROWS);
+    const vi lane = lane_index();
     const int64_t keys = first + r1, lp = round_up(keys, PF_S * W);
     const int64_t* pt = table + b * max_pages;
     auto key_row = [&](int64_t l, int64_t plane) {
@@ -441,26 +455,31 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
         float inv[PF_R];
         for (int i = 0; i < PF_R; ++i) {
           float* row = scp + i * lp;
-          const int64_t lim = i < nr ? first + i0 + i + 1 : 0;  // keys row i sees
-          float mx = -INFINITY;
-          const int64_t vec_lim = lim / W * W;
+          if (i >= nr) {  // a padding row (the block's last real row repeated): no keys
+            std::fill(row, row + hi, 0.f);
+            inv[i] = 0.f;
+            continue;
+          }
+          // Keys [0, lim) are row i's; the last vector's lanes past lim are masked (the block
+          // computed finite scores there for its later rows): no scalar exp for the tail.
+          const int64_t lim = first + i0 + i + 1, vec_end = round_up(lim, W);
+          const vi tail = lane < static_cast<int32_t>(lim - (vec_end - W));
           vf m = vf{} - INFINITY;
-          for (int64_t j = 0; j < vec_lim; j += W) {
-            const vf x = load(row + j);
+          for (int64_t j = 0; j < vec_end; j += W) {
+            const vf x = j + W < vec_end ? load(row + j) : (tail ? load(row + j) : m);
             m = x > m ? x : m;
           }
-          for (int e = 0; e < W; ++e) mx = std::max(mx, m[e]);
-          for (int64_t j = vec_lim; j < lim; ++j) mx = std::max(mx, row[j]);
+          float mx = m[0];
+          for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
           vf sum = vf{};
-          for (int64_t j = 0; j < vec_lim; j += W) {
-            const vf e = vexp(load(row + j) - mx);
+          for (int64_t j = 0; j < vec_end; j += W) {
+            vf e = vexp(load(row + j) - mx);
+            if (j + W == vec_end) e = tail ? e : vf{};
             store(row + j, e);
             sum += e;
           }
-          float total = hsum(sum);
-          for (int64_t j = vec_lim; j < lim; ++j) total += row[j] = std::exp(row[j] - mx);
-          for (int64_t j = lim; j < hi; ++j) row[j] = 0.f;
-          inv[i] = lim > 0 ? 1.f / total : 0.f;
+          for (int64_t j = vec_end; j < hi; ++j) row[j] = 0.f;
+          inv[i] = 1.f / hsum(sum);
         }
         for (int c = 0; c < NV; c += PC) {
           vf o[PF_R][PC] = {};
@@ -486,6 +505,198 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// `prefill` for bf16 on AMX tiles (head dims that are multiples of 32): 16 query rows of a head
+// at a time, Q.K^T as 16 x 16 score tiles over the same K^T pairs (16 k-pairs per B tile), a
+// float32 softmax per row, then the probabilities rounded to bf16 (as FlashAttention does
+// before P.V) times V staged as pairs of keys, 16 output columns per tile. A tile multiply is
+// 16 x 16 x 32 products, where a VDPBF16PS is 16 x 2: the scores and value sums that took
+// ~three quarters of the kernel's time become a small part of it.
+// Tiles: 0-3 C (scores of 4 key blocks, or 4 output column blocks), 4 A, 6 B.
+constexpr int64_t AMX_ROWS = 16;
+constexpr int64_t AMX_KEYS = 4 * AMX_ROWS;  // keys per pass of Q.K^T: four C tiles
+constexpr int64_t AMX_ITEM_ROWS = 64;
+
+template <int NV>
+void prefill_amx(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kv, const int64_t* table,
+                 int64_t max_pages, const int64_t* kv_lens, const int64_t* q_starts,
+                 const int64_t* q_lens, int64_t batch, bf16* out, int64_t hq, int64_t hkv,
+                 int64_t page_size, float scale) {
+  constexpr int64_t D = NV * W, PAIRS = D / 2, KSTEPS = D / 32, DTILES = D / 16;
+  static_assert(D % 32 == 0);
+  const int64_t group = hq / hkv, head_row = hkv * D;
+  std::vector<int64_t> items;  // (b, hk, first row) triples
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t hk = 0; hk < hkv; ++hk)
+      for (int64_t r0 = 0; r0 < q_lens[b]; r0 += AMX_ITEM_ROWS) items.insert(items.end(), {b, hk, r0});
+  const int64_t n_items = static_cast<int64_t>(items.size()) / 3;
+  const __m512i pair_lo = pair_index(0), pair_hi = pair_index(16);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    configure_tiles();
+    thread_local std::vector<uint32_t> kt2, vt2;
+    thread_local std::vector<float> sc;
+    thread_local std::vector<uint16_t> pb;
+    const vi lane = lane_index();
+    alignas(64) uint16_t qa[AMX_ROWS * D];
+    alignas(64) float ob[AMX_ROWS * D];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const int64_t b = items[3 * it], hk = items[3 * it + 1], r0 = items[3 * it + 2];
+      const int64_t n = q_lens[b], first = kv_lens[b] - n, r1 = std::min(n, r0 + AMX_ITEM_ROWS);
+      const int64_t keys = first + r1, lp = round_up(keys, AMX_KEYS);
+      const int64_t* pt = table + b * max_pages;
+      auto key_row = [&](int64_t l, int64_t plane) {
+        return kv + ((pt[l / page_size] * 2 + plane) * page_size + l % page_size) * head_row +
+               hk * D;
+      };
+      kt2.resize(std::max<size_t>(kt2.size(), PAIRS * lp));
+      vt2.resize(std::max<size_t>(vt2.size(), lp / 2 * D));
+      sc.resize(std::max<size_t>(sc.size(), AMX_ROWS * lp));
+      pb.resize(std::max<size_t>(pb.size(), AMX_ROWS * lp));
+      uint32_t* const ktp = kt2.data();
+      uint32_t* const vtp = vt2.data();
+      float* const scp = sc.data();
+      uint16_t* const pbp = pb.data();
+      // K^T as bf16 pairs of D, ktp[p][l] = (k[l][2p], k[l][2p + 1]); padding keys zero.
+      for (int64_t p = 0; p < PAIRS; ++p) std::fill(ktp + p * lp + keys, ktp + (p + 1) * lp, 0u);
+      for (int64_t l = 0; l < keys; ++l) {
+        const uint32_t* k = reinterpret_cast<const uint32_t*>(key_row(l, 0));
+        for (int64_t p = 0; p < PAIRS; ++p) ktp[p * lp + l] = k[p];
+      }
+      // V as bf16 pairs of keys, vtp[l / 2][d] = (v[l][d], v[l + 1][d]); padding keys zero (a
+      // zero probability times an uninitialised NaN would not be zero).
+      for (int64_t l = 0; l < lp; l += 2) {
+        uint32_t* row = vtp + l / 2 * D;
+        if (l >= keys) {
+          std::fill(row, row + D, 0u);
+          continue;
+        }
+        const __m512i* v0 = reinterpret_cast<const __m512i*>(key_row(l, 1));
+        const __m512i* v1 =
+            l + 1 < keys ? reinterpret_cast<const __m512i*>(key_row(l + 1, 1)) : nullptr;
+        for (int64_t c = 0; c < D / 32; ++c) {
+          const __m512i x0 = _mm512_loadu_si512(v0 + c);
+          const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+          _mm512_storeu_si512(row + 32 * c, _mm512_permutex2var_epi16(x0, pair_lo, x1));
+          _mm512_storeu_si512(row + 32 * c + 16, _mm512_permutex2var_epi16(x0, pair_hi, x1));
+        }
+      }
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        for (int64_t i0 = r0; i0 < r1; i0 += AMX_ROWS) {
+          const int64_t nr = std::min(AMX_ROWS, r1 - i0);
+          const int64_t hi = first + i0 + nr;  // keys the block's last row sees
+          const int64_t h32 = round_up(hi, 32);
+          for (int64_t i = 0; i < AMX_ROWS; ++i) {  // Q rows into a padded A tile
+            uint16_t* dst = qa + i * D;
+            if (i < nr)
+              std::memcpy(dst, q + (q_starts[b] + i0 + i) * qs0 + h * qs1, D * sizeof(bf16));
+            else
+              std::memset(dst, 0, D * sizeof(bf16));
+          }
+          for (int64_t k0 = 0; k0 < hi; k0 += AMX_KEYS) {
+            const int blocks = static_cast<int>(std::min<int64_t>(4, (hi - k0 + 15) / 16));
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t s = 0; s < KSTEPS; ++s) {
+              _tile_loadd(4, qa + s * 32, D * 2);
+              const uint32_t* kb = ktp + s * 16 * lp + k0;
+              _tile_loadd(6, kb, lp * 4);
+              _tile_dpbf16ps(0, 4, 6);
+              if (blocks > 1) {
+                _tile_loadd(6, kb + 16, lp * 4);
+                _tile_dpbf16ps(1, 4, 6);
+              }
+              if (blocks > 2) {
+                _tile_loadd(6, kb + 32, lp * 4);
+                _tile_dpbf16ps(2, 4, 6);
+              }
+              if (blocks > 3) {
+                _tile_loadd(6, kb + 48, lp * 4);
+                _tile_dpbf16ps(3, 4, 6);
+              }
+            }
+            _tile_stored(0, scp + k0, lp * 4);
+            if (blocks > 1) _tile_stored(1, scp + k0 + 16, lp * 4);
+            if (blocks > 2) _tile_stored(2, scp + k0 + 32, lp * 4);
+            if (blocks > 3) _tile_stored(3, scp + k0 + 48, lp * 4);
+          }
+          float inv[AMX_ROWS];
+          for (int64_t i = 0; i < AMX_ROWS; ++i) {
+            float* row = scp + i * lp;
+            uint16_t* prow = pbp + i * lp;
+            if (i >= nr) {  // a padding row: zero probabilities
+              std::memset(prow, 0, h32 * sizeof(uint16_t));
+              continue;
+            }
+            // Keys [0, lim) are row i's; the last vector's lanes past lim are masked (the
+            // tiles computed scores there, finite, for other rows).
+            const int64_t lim = first + i0 + i + 1, vec_end = round_up(lim, W);
+            const vi tail = lane < static_cast<int32_t>(lim - (vec_end - W));
+            vf m = vf{} - INFINITY;
+            for (int64_t j = 0; j < vec_end; j += W) {
+              const vf x = j + W < vec_end ? load(row + j) : (tail ? load(row + j) : m);
+              m = x > m ? x : m;
+            }
+            float mx = m[0];
+            for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
+            vf sum = vf{};
+            for (int64_t j = 0; j < vec_end; j += W) {
+              vf e = vexp((load(row + j) - mx) * scale);
+              if (j + W == vec_end) e = tail ? e : vf{};
+              store(row + j, e);
+              sum += e;
+            }
+            for (int64_t j = vec_end; j < h32; ++j) row[j] = 0.f;
+            inv[i] = 1.f / hsum(sum);
+            for (int64_t j = 0; j < h32; j += 32)
+              _mm512_storeu_si512(prow + j,
+                                  (__m512i)_mm512_cvtne2ps_pbh(load(row + j + 16), load(row + j)));
+          }
+          for (int64_t d0 = 0; d0 < DTILES; d0 += 4) {
+            const int cols = static_cast<int>(std::min<int64_t>(4, DTILES - d0));
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t j = 0; j < h32; j += 32) {
+              _tile_loadd(4, pbp + j, lp * 2);
+              const uint32_t* vb = vtp + j / 2 * D + d0 * 16;
+              _tile_loadd(6, vb, D * 4);
+              _tile_dpbf16ps(0, 4, 6);
+              if (cols > 1) {
+                _tile_loadd(6, vb + 16, D * 4);
+                _tile_dpbf16ps(1, 4, 6);
+              }
+              if (cols > 2) {
+                _tile_loadd(6, vb + 32, D * 4);
+                _tile_dpbf16ps(2, 4, 6);
+              }
+              if (cols > 3) {
+                _tile_loadd(6, vb + 48, D * 4);
+                _tile_dpbf16ps(3, 4, 6);
+              }
+            }
+            _tile_stored(0, ob + d0 * 16, D * 4);
+            if (cols > 1) _tile_stored(1, ob + d0 * 16 + 16, D * 4);
+            if (cols > 2) _tile_stored(2, ob + d0 * 16 + 32, D * 4);
+            if (cols > 3) _tile_stored(3, ob + d0 * 16 + 48, D * 4);
+          }
+          for (int64_t i = 0; i < nr; ++i) {
+            bf16* dst = out + ((q_starts[b] + i0 + i) * hq + h) * D;
+            for (int64_t c = 0; c < NV; ++c)
+              store(dst + c * W, load(ob + i * D + c * W) * inv[i]);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 }  // namespace
 
 template <typename T>
@@ -510,6 +721,25 @@ void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
                  const int64_t* table, int64_t max_pages, const int64_t* kv_lens,
                  const int64_t* q_starts, const int64_t* q_lens, int64_t batch, T* out,
                  int64_t hq, int64_t hkv, int64_t page_size, float scale) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (request_amx()) {
+      switch (dim) {
+        case 32: return prefill_amx<32 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts,
+                                            q_lens, batch, out, hq, hkv, page_size, scale);
+        case 64: return prefill_amx<64 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts,
+                                            q_lens, batch, out, hq, hkv, page_size, scale);
+        case 128: return prefill_amx<128 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens,
+                                              q_starts, q_lens, batch, out, hq, hkv, page_size,
+                                              scale);
+        case 256: return prefill_amx<256 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens,
+                                              q_starts, q_lens, batch, out, hq, hkv, page_size,
+                                              scale);
+        default: break;
+      }
+    }
+  }
+#endif
 #define PREFILL(NV)                                                                          \
   prefill<T, NV>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts, q_lens, batch, out, hq, \
                  hkv, page_size, scale)

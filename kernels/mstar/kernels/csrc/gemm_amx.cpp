@@ -2,6 +2,7 @@
 // level's amx_compiled() is false and its entry points are never called).
 #include <vector>
 
+#include "amx.h"
 #include "kernels.h"
 #include "vec.h"
 #if defined(__x86_64__)
@@ -24,25 +25,7 @@ constexpr int64_t kPanelCols = kAmxPanelCols;  // columns per panel: two B tiles
 constexpr int64_t kBlockElems = 2 * 16 * 32;  // one K step of a panel (2 KB)
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Tiles 0-3: C (rows 0-15 | 16-31) x (columns 0-15 | 16-31); 4-5: A; 6-7: B. All 16 x 64 B.
-inline void configure_tiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles 0-3: C (rows 0-15 | 16-31) x (columns 0-15 | 16-31); 4-5: A; 6-7: B.
 
 // One 32-column panel times one or two A tiles (16 rows each) over all of K, into c [32, 32]
 // float32. ``next`` (or null): where this pass prefetches into L2, ``prefetch`` bytes per K
@@ -119,12 +102,6 @@ inline void store_panel(const float* c, int64_t rows, int64_t cols, const c10::B
   }
 }
 
-// Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM for XTILEDATA), once
-// per process; oneDNN asks too where it uses AMX.
-bool request_amx() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
 #endif
 
 }  // namespace
