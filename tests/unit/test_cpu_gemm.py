@@ -18,6 +18,9 @@ from mstar.engine.model import load_model, loader
 from mstar.kernels import cpu_isa, cpu_kernels
 from mstar.kernels.cpu_gemm import (
     AMX_MAX_ROWS,
+    AMX_PROMPT_MAX_K,
+    AMX_PROMPT_MAX_N,
+    AMX_PROMPT_MAX_ROWS,
     BF16_FLOAT32_GEMM_MIN_ROWS,
     DPBF16_MAX_ROWS,
     FLOAT32_FMA_MAX_ROWS,
@@ -69,7 +72,9 @@ def _kernel_layers(folder, dtype: str) -> tuple[Any, list[PackedLinear]]:
 def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
     """Where the CPU has AMX tiles or AVX512-BF16, every bf16 projection keeps that kernel's
     packed weight too, and batches up to its row limit run it (bias included); larger ones
-    oneDNN's kernel. Elsewhere no layer holds a second copy."""
+    oneDNN's kernel. On AMX a small model's projections take the tiles for prompt chunks too
+    (`AMX_PROMPT_MAX_ROWS`; a large model's layers and LM head only decode-sized batches).
+    Elsewhere no layer holds a second copy."""
     kernels, layers = _kernel_layers(tmp_path, "bfloat16")
     kernel = small_batch_kernel(kernels)
     if kernel is None:
@@ -87,6 +92,9 @@ def test_bf16_decode_sized_batches_take_the_small_batch_kernel(tmp_path):
     gen = torch.Generator().manual_seed(3)
     for layer in layers:
         assert layer.small_batch_weight is not None
+        small = layer.out_features <= AMX_PROMPT_MAX_N and layer.in_features <= AMX_PROMPT_MAX_K
+        max_rows = AMX_PROMPT_MAX_ROWS if kernels.amx_available() and small else kernel[2]
+        assert layer.small_batch_max_rows == max_rows
         for rows in (1, 17, max_rows, max_rows + 1):
             x = torch.randn(rows, layer.in_features, generator=gen).to(torch.bfloat16)
             if rows <= max_rows:

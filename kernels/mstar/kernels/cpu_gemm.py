@@ -48,8 +48,19 @@ BF16_FLOAT32_GEMM_MIN_ROWS = 2
 #: 2-core Xeon with AMX over SmolLM2's linears, weights cold: a step's 121 linears took
 #: 12.9 / 13.4 / 19.7 / 31.8 / 55.0 ms against oneDNN's 20.4 / 23.8 / 28.0 / 37.9 / 59.7 at
 #: 1 / 32 / 64 / 128 / 256 rows, but from 128 rows up the LM head alone was slower (8.1 vs
-#: 7.0 ms at 128, 15.7 vs 10.3 at 256), and prompt chunks are oneDNN's ground.
+#: 7.0 ms at 128, 15.7 vs 10.3 at 256).
 AMX_MAX_ROWS = 128
+
+#: Projections up to `AMX_PROMPT_MAX_N` outputs and `AMX_PROMPT_MAX_K` inputs take the AMX
+#: kernel up to this many rows: prompt chunks of a few hundred tokens too, where oneDNN's kernel
+#: is slow. SmolLM2's four projections per layer on a 2-core Xeon with AMX: 0.54 / 0.98 / 1.62 /
+#: 2.62 / 4.35 ms against oneDNN's 0.71 / 1.20 / 1.98 / 7.15 / 4.99 at 128 / 256 / 512 / 768 /
+#: 1024 rows, but 7.66 against 5.35 at 1,536; whole prompt-only engine steps of 384 / 512 / 768
+#: tokens took 81-85 / 97 / 156-178 ms against 114-115 / 140-149 / 222-238. Measured for
+#: SmolLM2's shapes only (K 576 and 1,536, N up to 3,072): larger layers keep `AMX_MAX_ROWS`.
+AMX_PROMPT_MAX_ROWS = 1024
+AMX_PROMPT_MAX_N = 8192
+AMX_PROMPT_MAX_K = 2048
 
 #: Where the CPU has AVX512-BF16 but no AMX, bf16 batches up to this many rows run
 #: `cpu_kernels.dpbf16_linear`. Measured on a 2-core Zen 5 over SmolLM2's 120 projections,
@@ -220,6 +231,10 @@ class PackedLinear(nn.Module):
         kernel = small_batch_kernel(kernels, features, weight.dtype)
         if kernel is not None:
             self.small_batch_linear, _, self.small_batch_max_rows = kernel
+            if kernel[0] is getattr(kernels, "amx_linear", None) and (
+                self.out_features <= AMX_PROMPT_MAX_N and self.in_features <= AMX_PROMPT_MAX_K
+            ):
+                self.small_batch_max_rows = AMX_PROMPT_MAX_ROWS
         # (the float32 small-batch kernel takes every batch MKL's few-rows path would)
         if (
             weight.dtype == torch.float32
