@@ -301,6 +301,29 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
 // for 4 query rows of a head at a time takes 2W scores per pass over D (one K load feeds 4
 // FMAs), a softmax in float32, and the value sum with 4 x PC accumulators in registers
 // (as many passes over the keys as that takes to cover D).
+// exp(scale * (x - max)) over a score row's keys [0, lim), in place, and 1 / their sum. The
+// last vector's lanes past lim are masked, not its keys computed one scalar exp at a time (the
+// row must hold finite values up to round_up(lim, W); they come back zero). scale 1 is exact.
+inline float masked_softmax(float* row, int64_t lim, float scale, vi lane) {
+  const int64_t vec_end = round_up(lim, W);
+  const vi tail = lane < static_cast<int32_t>(lim - (vec_end - W));
+  vf m = vf{} - INFINITY;
+  for (int64_t j = 0; j < vec_end; j += W) {
+    const vf x = j + W < vec_end ? load(row + j) : (tail ? load(row + j) : m);
+    m = x > m ? x : m;
+  }
+  float mx = m[0];
+  for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
+  vf sum = vf{};
+  for (int64_t j = 0; j < vec_end; j += W) {
+    vf e = vexp((load(row + j) - mx) * scale);
+    if (j + W == vec_end) e = tail ? e : vf{};
+    store(row + j, e);
+    sum += e;
+  }
+  return 1.f / hsum(sum);
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // Indices interleaving 16 bf16 of x0 (from its element `first`) with x1's: x0[k], x1[k], ...
 inline __m512i pair_index(int first) {
@@ -460,26 +483,10 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
             inv[i] = 0.f;
             continue;
           }
-          // Keys [0, lim) are row i's; the last vector's lanes past lim are masked (the block
-          // computed finite scores there for its later rows): no scalar exp for the tail.
-          const int64_t lim = first + i0 + i + 1, vec_end = round_up(lim, W);
-          const vi tail = lane < static_cast<int32_t>(lim - (vec_end - W));
-          vf m = vf{} - INFINITY;
-          for (int64_t j = 0; j < vec_end; j += W) {
-            const vf x = j + W < vec_end ? load(row + j) : (tail ? load(row + j) : m);
-            m = x > m ? x : m;
-          }
-          float mx = m[0];
-          for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
-          vf sum = vf{};
-          for (int64_t j = 0; j < vec_end; j += W) {
-            vf e = vexp(load(row + j) - mx);
-            if (j + W == vec_end) e = tail ? e : vf{};
-            store(row + j, e);
-            sum += e;
-          }
-          for (int64_t j = vec_end; j < hi; ++j) row[j] = 0.f;
-          inv[i] = 1.f / hsum(sum);
+          // (the block computed finite scores past the row's keys, for its later rows)
+          const int64_t lim = first + i0 + i + 1;
+          inv[i] = masked_softmax(row, lim, 1.f, lane);
+          for (int64_t j = round_up(lim, W); j < hi; ++j) row[j] = 0.f;
         }
         for (int c = 0; c < NV; c += PC) {
           vf o[PF_R][PC] = {};
@@ -631,26 +638,10 @@ void prefill_amx(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kv, const 
               std::memset(prow, 0, h32 * sizeof(uint16_t));
               continue;
             }
-            // Keys [0, lim) are row i's; the last vector's lanes past lim are masked (the
-            // tiles computed scores there, finite, for other rows).
-            const int64_t lim = first + i0 + i + 1, vec_end = round_up(lim, W);
-            const vi tail = lane < static_cast<int32_t>(lim - (vec_end - W));
-            vf m = vf{} - INFINITY;
-            for (int64_t j = 0; j < vec_end; j += W) {
-              const vf x = j + W < vec_end ? load(row + j) : (tail ? load(row + j) : m);
-              m = x > m ? x : m;
-            }
-            float mx = m[0];
-            for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
-            vf sum = vf{};
-            for (int64_t j = 0; j < vec_end; j += W) {
-              vf e = vexp((load(row + j) - mx) * scale);
-              if (j + W == vec_end) e = tail ? e : vf{};
-              store(row + j, e);
-              sum += e;
-            }
-            for (int64_t j = vec_end; j < h32; ++j) row[j] = 0.f;
-            inv[i] = 1.f / hsum(sum);
+            // (the tiles computed finite scores past the row's keys, for other rows)
+            const int64_t lim = first + i0 + i + 1;
+            inv[i] = masked_softmax(row, lim, scale, lane);
+            for (int64_t j = round_up(lim, W); j < h32; ++j) row[j] = 0.f;
             for (int64_t j = 0; j < h32; j += 32)
               _mm512_storeu_si512(prow + j,
                                   (__m512i)_mm512_cvtne2ps_pbh(load(row + j + 16), load(row + j)));
