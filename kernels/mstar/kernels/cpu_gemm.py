@@ -107,11 +107,13 @@ def small_batch_kernel(
     kernels: Any | None,
     features: cpu_isa.CpuFeatures | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    shape: tuple[int, int] | None = None,
 ) -> tuple[Any, Any, int] | None:
     """(linear, pack_weight, max rows) of the GEMM for decode-sized batches of ``dtype`` on
     this CPU. bf16: AMX tiles where it has them, else VDPBF16PS, else (no bf16 math: AVX2, or
     AVX-512 where oneDNN only emulates bf16) FMA on widened bf16. float32: FMA over float32
-    panels. None: oneDNN's kernel for every batch."""
+    panels. None: oneDNN's kernel for every batch. ``shape`` (out, in features): on AMX a
+    layer within `AMX_PROMPT_MAX_N` x `AMX_PROMPT_MAX_K` takes prompt chunks too."""
     if kernels is None:
         return None
     if dtype == torch.float32:
@@ -122,7 +124,9 @@ def small_batch_kernel(
         return None
     features = features or cpu_isa.planning_features()
     if kernels.amx_available():
-        return kernels.amx_linear, kernels.amx_pack_weight, AMX_MAX_ROWS
+        prompt = shape is not None and shape[0] <= AMX_PROMPT_MAX_N and shape[1] <= AMX_PROMPT_MAX_K
+        rows = AMX_PROMPT_MAX_ROWS if prompt else AMX_MAX_ROWS
+        return kernels.amx_linear, kernels.amx_pack_weight, rows
     if kernels.dpbf16_available():
         return kernels.dpbf16_linear, kernels.dpbf16_pack_weight, DPBF16_MAX_ROWS
     if kernels.fma_available():
@@ -228,13 +232,10 @@ class PackedLinear(nn.Module):
         self.float32_bias: torch.Tensor | None = None
         #: batches past the small-batch kernel run a float32 GEMM (see ``float32_gemm``)
         self.upcast = weight.dtype == torch.bfloat16 and (float32_gemm or not features.onednn_bf16)
-        kernel = small_batch_kernel(kernels, features, weight.dtype)
+        shape = (self.out_features, self.in_features)
+        kernel = small_batch_kernel(kernels, features, weight.dtype, shape)
         if kernel is not None:
             self.small_batch_linear, _, self.small_batch_max_rows = kernel
-            if kernel[0] is getattr(kernels, "amx_linear", None) and (
-                self.out_features <= AMX_PROMPT_MAX_N and self.in_features <= AMX_PROMPT_MAX_K
-            ):
-                self.small_batch_max_rows = AMX_PROMPT_MAX_ROWS
         # (the float32 small-batch kernel takes every batch MKL's few-rows path would)
         if (
             weight.dtype == torch.float32
