@@ -27,6 +27,15 @@ CHAT_TEMPLATE = (
 )
 
 
+def add_chat_template(folder: Path) -> Path:
+    """Give a tiny model folder `CHAT_TEMPLATE` (in place); returns the folder."""
+    cfg_file = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_file.write_text(json.dumps(cfg))
+    return folder
+
+
 def make_engine(model_dir: Path, **overrides: Any) -> Any:
     from mstar.engine.engine import LLMEngine
 

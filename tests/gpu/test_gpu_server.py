@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 from cuda_testing import build_hd64_llama, needs_cuda, needs_flashinfer
-from live_server import CHAT_TEMPLATE, LiveServer, make_engine
+from live_server import LiveServer, add_chat_template, make_engine
 
 from mstar.engine.sampling_params import SamplingParams
 
@@ -34,12 +34,7 @@ NEW = 16
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = build_hd64_llama(tmp_path_factory.mktemp("gpu-chat"))
-    cfg_file = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_file.write_text(json.dumps(cfg))
-    return folder
+    return add_chat_template(build_hd64_llama(tmp_path_factory.mktemp("gpu-chat")))
 
 
 @pytest.fixture(scope="module")

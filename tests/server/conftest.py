@@ -3,7 +3,6 @@ one real Jaeger per session."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 from jaeger import Jaeger
-from live_server import CHAT_TEMPLATE, LiveServer, make_engine
+from live_server import LiveServer, add_chat_template, make_engine
 
 from mstar.engine.sampling_params import SamplingParams
 
@@ -21,11 +20,7 @@ def tiny_chat_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
     """The tiny Llama plus a chat template written in its own vocabulary."""
     folder = tmp_path_factory.mktemp("tiny-chat") / "tiny-chat"
     shutil.copytree(tiny_llama_dir, folder)
-    cfg_file = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_file.write_text(json.dumps(cfg))
-    return folder
+    return add_chat_template(folder)
 
 
 @pytest.fixture(scope="module")
