@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download (here, on a machine with PyPI) the wheels tests/gpu/first_run.sh installs on the GPU
 # machine, which has torch but no FlashInfer and no network. They land in .whl/ (git-ignored)
-# and travel with the device call's `carry: [".whl"]` (64 MiB limit; 29 MB in all).
+# and travel with the device call's `carry: [".whl"]` (64 MiB limit; 28 MB in all).
 #
 # flashinfer-python 0.6.13, the version the engine image ships (JIT: its kernels compile with
 # the machine's nvcc on first use), and the tvm-ffi it was checked with. Its other requirements

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path's first run (issue 32), as ONE device call on an H200 (torch 2.11, no FlashInfer):
 #
-#   bash tests/gpu/fetch_wheels.sh                      # here, once: .whl/ (29 MB)
+#   bash tests/gpu/fetch_wheels.sh                      # here, once: .whl/ (28 MB)
 #   device run, carry [".whl"], timeout_s 360:  bash tests/gpu/first_run.sh
 #
 # Staged, every stage headed with the seconds spent so far, inside BUDGET_S (default 300 s), so
