@@ -56,10 +56,15 @@ AMX_MAX_ROWS = 128
 #: is slow. SmolLM2's four projections per layer on a 2-core Xeon with AMX: 0.54 / 0.98 / 1.62 /
 #: 2.62 / 4.35 ms against oneDNN's 0.71 / 1.20 / 1.98 / 7.15 / 4.99 at 128 / 256 / 512 / 768 /
 #: 1024 rows, but 7.66 against 5.35 at 1,536; whole prompt-only engine steps of 384 / 512 / 768
-#: tokens took 81-85 / 97 / 156-178 ms against 114-115 / 140-149 / 222-238. Measured for
-#: SmolLM2's shapes only (K 576 and 1,536, N up to 3,072): larger layers keep `AMX_MAX_ROWS`.
+#: tokens took 81-85 / 97 / 156-178 ms against 114-115 / 140-149 / 222-238. The wide gate/up
+#: projection (N 3,072) is the exception: the tiles reach ~2.1 TFLOPS there against ~2.8 at N
+#: 576-960 (a pass's A and B tiles stream from L2, and 3 MB of output pushes x out of it), and
+#: oneDNN's kernel is 9-45% faster from 135 rows up (0.73 against 0.87 ms at 519 rows, 1.25
+#: against 1.79 at 1,031); sending it there took prompt-only steps of 512 / 768 / 1,024 tokens
+#: from 90-96 / 138-141 / 187 ms to 90 / 132 / 170. Measured for SmolLM2's shapes only (K 576
+#: and 1,536): larger layers keep `AMX_MAX_ROWS`.
 AMX_PROMPT_MAX_ROWS = 1024
-AMX_PROMPT_MAX_N = 8192
+AMX_PROMPT_MAX_N = 2048
 AMX_PROMPT_MAX_K = 2048
 
 #: Where the CPU has AVX512-BF16 but no AMX, bf16 batches up to this many rows run
