@@ -48,6 +48,17 @@ def test_the_loader_runs_the_best_level_or_the_one_named(monkeypatch):
         assert cpu_isa.chosen_level().name == "x86-64-v3"
 
 
+def test_a_forced_level_is_the_highest_the_tests_compare(monkeypatch):
+    """With MSTAR_CPU_ISA naming x86-64-v3, the kernel tests run the levels an AVX2 CPU has
+    (the higher ones would meet oneDNN capped alike); unset, every level this CPU runs."""
+    if cpu_isa.levels() == cpu_isa.GENERIC_LEVELS:
+        pytest.skip("not an x86-64 CPU")
+    monkeypatch.delenv(cpu_isa.ENV_LEVEL, raising=False)
+    assert cpu_isa.supported_levels() == cpu_isa.supported_levels(cpu_isa.detect())
+    monkeypatch.setenv(cpu_isa.ENV_LEVEL, "x86-64-v3")
+    assert [lvl.name for lvl in cpu_isa.supported_levels()] == ["x86-64", "x86-64-v3"]
+
+
 def test_a_level_the_cpu_cannot_run_is_refused_by_name(monkeypatch):
     avx2 = cpu_isa.CpuFeatures(
         frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
