@@ -134,6 +134,39 @@ def test_adaptive_budget_learns_from_steps_and_stays_exact(
     assert budget.model.coef != StepCostModel().coef
 
 
+def test_a_wave_at_an_idle_engine_is_prefilled_in_one_step(tiny_llama_dir: Path) -> None:
+    """Behind the server, prompts arriving together at an idle engine all prefill in its first
+    step (they fit the cap); a prompt arriving once streams have decoded past their first token
+    is no wave: the budget sees ``wave`` false and chunks it beside them."""
+    cfg = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_pages=512)
+    engine = LLMEngine.from_config(cfg, serving=True)
+    budget = engine.scheduler.step_budget
+    assert budget is not None
+    waves: list[bool] = []
+    tokens = budget.tokens
+
+    def spy(*args: int | bool) -> int:
+        waves.append(bool(args[4]))
+        return tokens(*args)  # type: ignore[arg-type]
+
+    budget.tokens = spy  # type: ignore[method-assign,assignment]
+    prompts = _prompts()[:8]
+    assert sum(map(len, prompts)) < budget.cap
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    engine.step()
+    assert all(r.num_uncomputed == 1 for r in engine.scheduler.running)
+    assert len(engine.scheduler.running) == len(prompts) and waves == [True]
+    for _ in range(2):
+        engine.step()
+    engine.add_request("late", prompts[0], params)
+    engine.step()
+    assert waves[-1] is False
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_chunked_prefill_with_small_budget_is_exact(tiny_llama_dir: Path, reference: list) -> None:
     engine = _engine(tiny_llama_dir, num_pages=256, max_num_batched_tokens=8, max_num_seqs=5)
     assert engine.generate(_prompts(), GREEDY) == reference

@@ -60,20 +60,35 @@ def test_prompt_chunks_stretch_a_step_at_most_by_the_stall_factor():
 
 
 def test_a_burst_is_absorbed_in_mean_ttft_optimal_chunks():
-    """Nobody decoding: the chunk is sqrt(P * overhead / per_token), which minimises the queue's
-    mean wait (overhead + c * per_token) * (P / c + 1) / 2 over c."""
+    """A queue beside a decoding stream, far under the stall bound: the chunk is
+    sqrt(P * overhead / per_token), which minimises the queue's mean wait
+    (overhead + c * per_token) * (P / c + 1) / 2 over c."""
     budget = StepBudget(cap=8192, model=_fitted())
     per_token = budget.model.coef[2]
     for prompts in (8, 32, 64):
         pending = prompts * 128
-        overhead = budget.model.predict(0, 0)
-        chunk = budget.tokens(0, prompts, pending, head_prompt=128)
+        overhead = budget.model.predict(1, 0)
+        chunk = budget.tokens(1, prompts, pending, head_prompt=128) - 1
 
         def mean_wait(c: int, pending: int = pending, overhead: float = overhead) -> float:
             return (overhead + c * per_token) * (pending / c + 1) / 2
 
         assert chunk == int(math.sqrt(pending * overhead / per_token))
         assert mean_wait(chunk) <= min(mean_wait(c) for c in range(32, 4096, 8)) * 1.01
+
+
+def test_a_wave_is_taken_whole_up_to_the_cap():
+    """Nobody decoding, or only streams the wave itself started (``wave``): the pending prompts
+    go whole, up to the cap (the wave's later steps stall every stream anyway, and each extra
+    step delays its last first token). The same queue beside streams already decoding is
+    chunked under the stall bound."""
+    budget = StepBudget(cap=2048, model=_fitted())
+    assert budget.tokens(0, 8, pending_prompt=1024, head_prompt=128) == 1024
+    assert budget.tokens(0, 32, pending_prompt=4096, head_prompt=128) == 2048
+    assert budget.tokens(16, 16, pending_prompt=2048, head_prompt=128, wave=True) == 2048
+    assert budget.tokens(4, 4, pending_prompt=512, head_prompt=128, wave=True) == 4 + 512
+    chunk = budget.tokens(4, 4, pending_prompt=512, head_prompt=128) - 4
+    assert 128 <= chunk < 512
 
 
 def test_the_stall_streams_accept_grows_with_the_queue_per_stream():

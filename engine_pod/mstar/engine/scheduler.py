@@ -193,12 +193,14 @@ class Scheduler:
         if self.step_budget is None:
             return self.config.max_num_batched_tokens
         decode_rows = prompts = pending = head = 0
+        wave = True  # every decoding stream has at most its first token
         for req in self.running:
             n = req.num_uncomputed
             if req.hold_until > now or n <= 0:
                 continue
             if n == 1:
                 decode_rows += 1
+                wave = wave and req.num_output_tokens <= 1
             else:
                 prompts += 1
                 pending += n
@@ -208,7 +210,7 @@ class Scheduler:
                 prompts += 1
                 pending += req.num_uncomputed
                 head = head or req.num_uncomputed
-        return self.step_budget.tokens(decode_rows, prompts, pending, head)
+        return self.step_budget.tokens(decode_rows, prompts, pending, head, wave)
 
     def observe_cost(self, batch: ScheduledBatch, seconds: float) -> None:
         """Feed an executed step's time to the adaptive budget's cost model."""
