@@ -131,6 +131,8 @@ class Scheduler:
         self.step_budget: StepBudget | None = (
             StepBudget(config.max_num_batched_tokens) if config.adaptive_budget else None
         )
+        #: prompts pending since the engine last had nobody decoding (`StepBudget`'s wave)
+        self._wave = False
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.offloaded)
@@ -193,14 +195,12 @@ class Scheduler:
         if self.step_budget is None:
             return self.config.max_num_batched_tokens
         decode_rows = prompts = pending = head = 0
-        wave = True  # every decoding stream has at most its first token
         for req in self.running:
             n = req.num_uncomputed
             if req.hold_until > now or n <= 0:
                 continue
             if n == 1:
                 decode_rows += 1
-                wave = wave and req.num_output_tokens <= 1
             else:
                 prompts += 1
                 pending += n
@@ -210,7 +210,13 @@ class Scheduler:
                 prompts += 1
                 pending += req.num_uncomputed
                 head = head or req.num_uncomputed
-        return self.step_budget.tokens(decode_rows, prompts, pending, head, wave)
+        # A wave: prompts reaching an idle engine, and those that arrive before its last prompt
+        # is prefilled (a client's batch lands over a few steps, not in one).
+        if pending == 0:
+            self._wave = False
+        elif decode_rows == 0:
+            self._wave = True
+        return self.step_budget.tokens(decode_rows, prompts, pending, head, self._wave)
 
     def observe_cost(self, batch: ScheduledBatch, seconds: float) -> None:
         """Feed an executed step's time to the adaptive budget's cost model."""

@@ -19,15 +19,14 @@ make it singular). `StepBudget` turns the fit into the next step's token budget:
   an all-or-nothing switch between the two regimes gave 1.6x the median time to first token
   and 1.4x the p99 inter-token gap).
 - **A wave** (prompts arriving at an idle engine together, as a client's batch or a restarted
-  load balancer sends them): while nobody decodes, or every decoding stream is the wave's own
-  (none has produced more than its first token), the step takes the pending prompts whole, up
-  to the cap. Every stream is stalled by the wave's later steps anyway, so starting some a step
-  sooner buys their first token little and costs the wave's last one (the p99 time to first
-  token) every extra step's fixed cost. Measured on the serving benchmark's closed loop
-  (SmolLM2, 2-core Xeon with AMX, a replay of the engine's steps): concurrency 8, TTFT p50 / p99
-  40-52 / 263-268 ms -> 170 / 178-186, ITL p99 47-52 -> 21-22; concurrency 32, 284-465 /
-  1044-1374 -> 460-477 / 840-858, output tok/s 780-792 -> 863-897 (the waves stay together, so
-  later steps decode without prompt chunks).
+  load balancer sends them, and those that keep arriving until its last prompt is prefilled):
+  the step takes the pending prompts whole, up to the cap. Every stream is stalled by the
+  wave's later steps anyway, so starting some a step sooner buys their first token little and
+  costs the wave's last one (the p99 time to first token) every extra step's fixed cost.
+  Measured on the serving benchmark's closed loop (SmolLM2, 2-core Xeon with AMX, a replay of
+  the engine's steps): concurrency 8, TTFT p50 / p99 40-52 / 263-268 ms -> 170 / 178-186, ITL
+  p99 47-52 -> 21-22; concurrency 32, 284-465 / 1044-1374 -> 460-477 / 840-858, output tok/s
+  780-792 -> 863-897 (the waves stay together, so later steps decode without prompt chunks).
 - **Burst absorption** (few steps for a queue of prompts beside decoding streams): under the
   stall bound, the chunk that minimises the queue's mean time to first token. With ``P``
   prompt tokens queued, every step paying ``overhead`` (base plus the decode rows) and ``c``
@@ -111,8 +110,8 @@ class StepBudget:
     ) -> int:
         """Budget for a step with ``decode_rows`` streams decoding and ``prompts`` requests still
         to prefill ``pending_prompt`` tokens (running chunks and waiting prompts), ``head_prompt``
-        of them the oldest's. ``wave``: every decoding stream started in the wave still queued
-        (none has more than its first token)."""
+        of them the oldest's. ``wave``: prompts have been pending since nobody decoded (the
+        scheduler's flag), so every decoding stream is the wave's own."""
         if pending_prompt <= 0:
             return self.cap
         if decode_rows == 0 or wave:
