@@ -58,7 +58,8 @@ AMX_MAX_ROWS = 128
 #: 1024 rows, but 7.66 against 5.35 at 1,536; whole prompt-only engine steps of 384 / 512 / 768
 #: tokens took 81-85 / 97 / 156-178 ms against 114-115 / 140-149 / 222-238. The wide gate/up
 #: projection (N 3,072) is the exception: the tiles reach ~2.1 TFLOPS there against ~2.8 at N
-#: 576-960 (a pass's A and B tiles stream from L2, and 3 MB of output pushes x out of it), and
+#: 576-960 (likely its 3 MB of output pushing x out of L2: non-temporal stores won back ~10%
+#: there; blocking the rows did not help), and
 #: oneDNN's kernel is 9-45% faster from 135 rows up (0.73 against 0.87 ms at 519 rows, 1.25
 #: against 1.79 at 1,031); sending it there took prompt-only steps of 512 / 768 / 1,024 tokens
 #: from 90-96 / 138-141 / 187 ms to 90 / 132 / 170. Measured for SmolLM2's shapes only (K 576
