@@ -24,9 +24,13 @@ make it singular). `StepBudget` turns the fit into the next step's token budget:
   wave's later steps anyway, so starting some a step sooner buys their first token little and
   costs the wave's last one (the p99 time to first token) every extra step's fixed cost.
   Measured on the serving benchmark's closed loop (SmolLM2, 2-core Xeon with AMX, a replay of
-  the engine's steps): concurrency 8, TTFT p50 / p99 40-52 / 263-268 ms -> 170 / 178-186, ITL
-  p99 47-52 -> 21-22; concurrency 32, 284-465 / 1044-1374 -> 460-477 / 840-858, output tok/s
-  780-792 -> 863-897 (the waves stay together, so later steps decode without prompt chunks).
+  the engine's steps) with a first version that told a wave by its streams (none past its first
+  token): concurrency 8, TTFT p50 / p99 40-52 / 263-268 ms -> 170 / 178-186, ITL p99 47-52 ->
+  21-22; concurrency 32, 284-465 / 1044-1374 -> 460-477 / 840-858, output tok/s 780-792 ->
+  863-897 (the waves stay together, so later steps decode without prompt chunks). That version
+  missed a batch landing over more than two steps (forced AVX2, concurrency 8: ITL p99 193 ms),
+  so the wave is now the scheduler's flag; with it, forced AVX2 at 8 served ITL p99 32-35 ms
+  (README, Performance).
 - **Burst absorption** (few steps for a queue of prompts beside decoding streams): under the
   stall bound, the chunk that minimises the queue's mean time to first token. With ``P``
   prompt tokens queued, every step paying ``overhead`` (base plus the decode rows) and ``c``
