@@ -10,6 +10,7 @@ each choice is counted once in the metrics and traced once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
-from mstar.engine.outputs import ErrorKind, RequestError, RequestOutput
+from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.resources.sampling.grammar import InvalidGrammar
 from mstar.engine.sampling_params import GrammarSpec, InvalidParameter
 from mstar.engine.server.async_engine import EngineDeadError, NewRequest
@@ -36,7 +37,7 @@ from mstar.engine.server.protocol import (
     parse_completion_request,
 )
 from mstar.engine.server.responses import complete, stream
-from mstar.engine.server.state import RETRY_AFTER_SECONDS, STATE
+from mstar.engine.server.state import RETRY_AFTER_SECONDS, STATE, ServerState
 from mstar.engine.server.tools import template_messages
 
 
@@ -67,6 +68,17 @@ SUBMIT_ERRORS: tuple[tuple[type[Exception], int, str, str], ...] = (
     (ValueError, 400, "invalid_request_error", ""),
     (Exception, 500, "internal_server_error", "the engine refused the request: "),
 )
+
+
+def at_capacity(state: ServerState) -> APIError:
+    """The 429 of a server whose waiting queue is full."""
+    return APIError(
+        429,
+        f"The server is at capacity ({state.max_waiting_requests} waiting requests); retry later.",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
 
 
 def submit_error(exc: Exception, req: GenerationRequest) -> APIError:
@@ -112,6 +124,12 @@ class Generation:
         self.prompt_texts: list[str] = []
         self.status = 200
         self.error: str | None = None
+        #: Seconds from arrival the request may take (None: no deadline) and its end on the
+        #: event loop's clock; `timed_out` once it passed.
+        self.timeout = self.state.request_timeout
+        self.timed_out = False
+        self._expires: float | None = None
+        self._set_deadline()
         self.trace = self.state.telemetry.start_request(
             request.headers,
             {
@@ -126,8 +144,27 @@ class Generation:
 
     # -- setup ---------------------------------------------------------------------------------
 
+    def _set_deadline(self) -> None:
+        if self.timeout is None:
+            self._expires = None
+            return
+        loop = asyncio.get_running_loop()
+        self._expires = loop.time() + self.timeout - (time.monotonic() - self.arrival)
+
+    def _own_timeout(self, body: Any) -> None:
+        """A body's `timeout` (seconds) shortens the server's deadline, never lengthens it."""
+        value = body.get("timeout") if isinstance(body, dict) else None
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise bad_request("'timeout' must be a positive number of seconds", "timeout")
+        if self.timeout is None or value < self.timeout:
+            self.timeout = float(value)
+            self._set_deadline()
+
     async def parse(self) -> GenerationRequest:
         body = await read_json_body(self.request)
+        self._own_timeout(body)
         req = parse_chat_request(body) if self.kind == "chat" else parse_completion_request(body)
         if req.model is not None and req.model != self.state.model_name:
             raise model_not_found(req.model)
@@ -217,19 +254,16 @@ class Generation:
     async def submit(self, req: GenerationRequest, new: list[NewRequest]) -> None:
         state = self.state
         if state.async_engine.num_waiting() + len(new) > state.max_waiting_requests:
-            raise APIError(
-                429,
-                f"The server is at capacity ({state.max_waiting_requests} waiting requests); "
-                "retry later.",
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
+            raise at_capacity(state)
         try:
-            await state.async_engine.add_requests(new)
+            async with asyncio.timeout_at(self._expires):
+                await state.async_engine.add_requests(new)
         except BaseException as exc:
             for sub in self.subs:
                 sub.done = True  # add_requests undid the whole batch (refused or cancelled)
+            if isinstance(exc, TimeoutError):
+                self.timed_out = True
+                raise self.deadline_error() from exc
             if isinstance(exc, Exception):
                 raise submit_error(exc, req) from exc
             raise
@@ -238,12 +272,48 @@ class Generation:
 
     # -- consuming outputs ---------------------------------------------------------------------
 
+    def deadline_error(self) -> APIError:
+        return APIError(
+            504,
+            f"The request exceeded its deadline of {self.timeout:g}s.",
+            type="timeout_error",
+            code="deadline_exceeded",
+        )
+
     async def next_deltas(self) -> list[tuple[SubRequest, Delta]]:
-        """Wait for engine output; return what can be shown now (may be empty)."""
-        position, out = await self.queue.get()
+        """Wait for engine output; return what can be shown now (may be empty). Past the
+        deadline, every unfinished choice ends with an error (its engine request aborted)."""
+        try:
+            async with asyncio.timeout_at(self._expires):
+                position, out = await self.queue.get()
+        except TimeoutError:
+            return self._expire()
         ready = [self._absorb(position, out)]
         while not self.queue.empty():  # whatever else the same step delivered
             position, out = self.queue.get_nowait()
+            ready.append(self._absorb(position, out))
+        return [(sub, d) for sub, d in ready if d is not None]
+
+    def _expire(self) -> list[tuple[SubRequest, Delta]]:
+        self.timed_out = True
+        error = RequestError(ErrorKind.INTERNAL, self.deadline_error().message)
+        now = time.monotonic()
+        ready = []
+        for position, sub in enumerate(self.subs):
+            if sub.done:
+                continue
+            self.state.async_engine.abort_request(sub.request_id)
+            last = sub.last or RequestOutput(sub.request_id, [], None, False, arrival_time=now)
+            out = dataclasses.replace(
+                last,
+                new_token_ids=[],
+                new_logprobs=None,
+                events=[],
+                finished=True,
+                finish_reason=FinishReason.ERROR,
+                error=error,
+                finished_time=now,
+            )
             ready.append(self._absorb(position, out))
         return [(sub, d) for sub, d in ready if d is not None]
 
@@ -312,6 +382,8 @@ class Generation:
             return None
         error = failed[0].error
         assert self.req is not None and error is not None
+        if self.timed_out:
+            return self.deadline_error()
         if error.kind is ErrorKind.REJECTED:
             return bad_request(error.message, self.req.prompt_param)
         return APIError(500, error.message, type="internal_server_error")
@@ -395,6 +467,10 @@ async def generate(request: web.Request, kind: str) -> web.StreamResponse:
             type="service_unavailable",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
+    if state.async_engine.num_waiting() >= state.max_waiting_requests:
+        # Before the body is read, parsed and tokenized: a flood of refusals must cost the
+        # server next to nothing, or it starves the requests it admitted (`bench_overload`).
+        raise at_capacity(state)
     state.enter()
     gen = Generation(request, kind)
     state.generations.add(gen)

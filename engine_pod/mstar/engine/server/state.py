@@ -32,6 +32,8 @@ class ServerState:
     max_model_len: int
     api_key: str | None
     max_waiting_requests: int
+    #: Every request's deadline in seconds from arrival (None: only a body's `timeout`).
+    request_timeout: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     #: When the last request arrived (monotonic); the preStop hook waits for a quiet spell.
