@@ -158,6 +158,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort] = []
         self._queued_adds = 0
+        #: Adds the engine thread took from the inbox and has not answered yet.
+        self._unacked: list[asyncio.Future[None]] = []
         self._sinks: dict[str, Sink] = {}
         self._stopping = False
         self._started = False
@@ -275,6 +277,7 @@ class AsyncEngine:
                     self._shutdown(commands)
                     return
                 commands, self._inbox = self._inbox, []
+                self._unacked = [c.done for c in commands if isinstance(c, _Add)]
             acks = self._apply(commands)
             started = time.monotonic()
             executed = engine.executed_steps
@@ -301,10 +304,11 @@ class AsyncEngine:
                         if sink is not None:
                             deliveries.append((sink, out))
             if dead:  # declared hung mid-step: fail what this step took on, then stop
-                self._fail_all(str(self.error), [fut for fut, _ in acks])
+                self._fail_all(str(self.error))
                 return
             if acks or deliveries:
                 self._post(acks, deliveries)
+            self._unacked = []
             busy = bool(outputs) or int(getattr(stats, "num_running", 0)) > 0
             idle_wait = None if busy else IDLE_POLL_SECONDS
 
@@ -364,13 +368,13 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_deliver, acks, deliveries)
 
-    def _fail_all(self, message: str, taken: Sequence[asyncio.Future[None]] = ()) -> None:
-        """After a fatal error, end every live request with an error so no handler hangs;
-        ``taken``: adds the engine thread already took from the inbox but never answered."""
+    def _fail_all(self, message: str) -> None:
+        """After a fatal error, end every live request with an error and refuse every add not
+        yet answered (queued, or taken by a step that never returned), so no handler hangs."""
         with self._cond:
             commands, self._inbox = self._inbox, []
             sinks, self._sinks = self._sinks, {}
-        futures = [*taken, *(c.done for c in commands if isinstance(c, _Add))]
+            futures = [*self._unacked, *(c.done for c in commands if isinstance(c, _Add))]
         acks: list[tuple[asyncio.Future[None], BaseException | None]] = [
             (fut, EngineDeadError(message)) for fut in futures
         ]
