@@ -4,16 +4,18 @@ Phases against one `mstar-engine serve` (started here on the packaged SmolLM2, o
 concurrency of `--concurrency`, then `--flood` clients, each phase `--seconds` long. Every
 client posts a chat request (`--max-tokens`, ignore_eos) and, whatever the answer, posts the
 next at once: a 429's `Retry-After` is ignored, as guidellm's throughput profile does. Only
-requests that complete inside the window count; those still running at its end are cancelled
-(the server frees them) and the next phase starts once the server is idle.
+requests that complete inside the measured window count, which starts `--warmup` seconds in
+(the queue fills, requests reach their steady latency); those still running at its end are
+cancelled (the server frees them) and the next phase starts once the server is idle.
 
 Per phase: completed requests, completed output tok/s, 429s, other failures, the median 429
 latency seen by the client, and the server's CPU time per answered request. Last: the flood's
 tok/s over the best concurrency's (the target is >= 0.8).
 
     python3 bench/bench_overload.py [--concurrency 16 32 64] [--flood 512] [--seconds 40]
+                                    [--warmup 15]
                                     [--max-tokens 64] [--url http://127.0.0.1:8000]
-                                    [--server-arg=--max-num-seqs=64 ...]
+                                    [--server-arg=--max-num-seqs=64 ...] [--root CHECKOUT]
 """
 
 from __future__ import annotations
@@ -99,17 +101,24 @@ async def run_phase(
     seconds: float,
     max_tokens: int,
     *,
+    warmup: float = 0.0,
     model: str | None = None,
     pid: int | None = None,
 ) -> Phase:
-    """``clients`` back-to-back posters for ``seconds``; see the module docstring."""
+    """``clients`` back-to-back posters for ``warmup`` + ``seconds``, counted over the last
+    ``seconds``; see the module docstring."""
     phase = Phase(clients, seconds)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
     counter = iter(range(1 << 62))
-    start_cpu = cpu_seconds(pid)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        end = time.monotonic() + seconds
+        begin = time.monotonic() + warmup
+        end = begin + seconds
+        cpu: list[float | None] = []
+
+        async def measure() -> None:
+            await asyncio.sleep(warmup)
+            cpu.append(cpu_seconds(pid))
 
         async def client() -> None:
             while time.monotonic() < end:
@@ -120,6 +129,8 @@ async def run_phase(
                 now = time.monotonic()
                 if now > end:
                     return  # finished after the window: not this phase's
+                if now < begin:
+                    continue  # warming up
                 if resp.status == 200:
                     phase.completed += 1
                     phase.output_tokens += json.loads(data)["usage"]["completion_tokens"]
@@ -130,13 +141,13 @@ async def run_phase(
                     phase.failed += 1
 
         tasks = [asyncio.create_task(client()) for _ in range(clients)]
-        await asyncio.wait(tasks, timeout=max(0.0, end - time.monotonic()))
+        await asyncio.wait([*tasks, asyncio.create_task(measure())], timeout=end - time.monotonic())
+        cpu.append(cpu_seconds(pid))
         for task in tasks:
             task.cancel()  # in flight at the window's end: disconnect, the server aborts it
         await asyncio.gather(*tasks, return_exceptions=True)
-    end_cpu = cpu_seconds(pid)
-    if start_cpu is not None and end_cpu is not None:
-        phase.server_cpu = end_cpu - start_cpu
+    if len(cpu) == 2 and cpu[0] is not None and cpu[1] is not None:
+        phase.server_cpu = cpu[1] - cpu[0]
     return phase
 
 
@@ -159,8 +170,8 @@ def wait_idle(url: str, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def start_server(port: int, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
-    path = os.pathsep.join(str(ROOT / d) for d in ("engine_pod", "kernels", "operator"))
+def start_server(port: int, extra: list[str], log: Path, root: Path) -> subprocess.Popen[bytes]:
+    path = os.pathsep.join(str(root / d) for d in ("engine_pod", "kernels", "operator"))
     cmd = [sys.executable, "-m", "mstar.engine.cli", "serve", "--port", str(port)]
     return subprocess.Popen(
         [*cmd, "--log-level", "warning", *extra],
@@ -195,24 +206,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--flood", type=int, default=512)
-    ap.add_argument("--seconds", type=float, default=40.0)
+    ap.add_argument("--seconds", type=float, default=40.0, help="Measured, per phase.")
+    ap.add_argument("--warmup", type=float, default=15.0, help="Unmeasured, per phase.")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--url", default=None, help="A running server (default: start one here).")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--server-arg", action="append", default=[], help="Passed to serve.")
+    ap.add_argument(
+        "--root", type=Path, default=ROOT, help="Serve another checkout's engine (A/B runs)."
+    )
     args = ap.parse_args(argv)
     proc = None
     url = args.url
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
-        proc = start_server(args.port, args.server_arg, Path("/tmp/bench_overload_server.log"))
+        log = Path("/tmp/bench_overload_server.log")
+        proc = start_server(args.port, args.server_arg, log, args.root)
     try:
         wait_ready(url, proc)
         print(f"loadavg before: {Path('/proc/loadavg').read_text().strip()}")
         phases = []
         for clients in [*args.concurrency, args.flood]:
             pid = proc.pid if proc is not None else None
-            phase = asyncio.run(run_phase(url, clients, args.seconds, args.max_tokens, pid=pid))
+            run = run_phase(
+                url, clients, args.seconds, args.max_tokens, warmup=args.warmup, pid=pid
+            )
+            phase = asyncio.run(run)
             phases.append(phase)
             print(HEADER if len(phases) == 1 else "", end="\n" if len(phases) == 1 else "")
             print(phase.row(), flush=True)

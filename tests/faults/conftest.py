@@ -6,8 +6,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from faults.harness import ACCOUNTS, FaultyServer
 from server.conftest import tiny_chat_dir
+
+from faults.harness import ACCOUNTS, FaultyServer
 
 __all__ = ["tiny_chat_dir"]
 

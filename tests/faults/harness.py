@@ -54,9 +54,9 @@ class FaultyServer:
         self.url = f"http://127.0.0.1:{self.port}"
         path = os.pathsep.join(str(ROOT / d) for d in ("engine_pod", "kernels", "operator"))
         self._log = self.log_path.open("wb")
+        command = [sys.executable, str(LAUNCHER), str(self.switch), "serve", str(model)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), str(self.switch), "serve", str(model)]
-            + ["--port", str(self.port), *TINY_FLAGS, *extra],
+            [*command, *TINY_FLAGS, "--port", str(self.port), *extra],
             env={**os.environ, "PYTHONPATH": path},
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -51,7 +51,7 @@ def test_hung_step_goes_red_within_its_bound_and_fails_its_requests(faulty_serve
     assert max(o.end for o in stuck) - hung_at <= bound + 1.5
     # Not ready either (routers stop sending), and a new request is refused, not queued.
     assert server.get("/ready")[0] == 503
-    status, err, headers = server.post("/v1/completions", {"prompt": [5], "max_tokens": 2})
+    status, err, _ = server.post("/v1/completions", {"prompt": [5], "max_tokens": 2})
     assert status == 503 and "stalled" in err["error"]["message"]
     record("hung step", account, health_red_after_s=detection, bound_s=bound)
 
@@ -104,7 +104,10 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(faulty_server: Start) 
     refused = account.details("refused")
     assert refused and set(refused) == {"503 Retry-After"}, account
     after = [o for o in account.outcomes if o.start > term_at and o.kind != "refused"]
-    assert {o.detail for o in after} <= {"nothing listening", "connection ended (ServerDisconnectedError)"}
+    assert {o.detail for o in after} <= {
+        "nothing listening",
+        "connection ended (ServerDisconnectedError)",
+    }
     record("SIGTERM drain", account, exit_code=code, drained=len(drained))
 
 

@@ -467,7 +467,7 @@ async def generate(request: web.Request, kind: str) -> web.StreamResponse:
             type="service_unavailable",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
-    if state.async_engine.num_waiting() >= state.max_waiting_requests:
+    if not await state.wait_for_room():
         # Before the body is read, parsed and tokenized: a flood of refusals must cost the
         # server next to nothing, or it starves the requests it admitted (`bench_overload`).
         raise at_capacity(state)
