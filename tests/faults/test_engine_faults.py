@@ -127,3 +127,29 @@ def test_a_deadline_ends_a_request_on_a_hung_engine(faulty_server: Start) -> Non
     status, body, _ = server.post("/v1/completions", {"prompt": [5], "timeout": "soon"})
     assert status == 400 and body["error"]["param"] == "timeout"
     record("deadline on a hung engine", f"504 after {took:.2f}s")
+
+
+def test_a_full_host_pool_refuses_or_recomputes_never_crashes(faulty_server: Start) -> None:
+    """32 device pages and ~20 host pages for 8 streams that need 16 pages each: offloads
+    fill the host pool; what does not fit is recomputed or refused, the engine stays up,
+    and once the load stops (some clients leave mid-stream) every page is free again."""
+    server = faulty_server(
+        "--num-pages", "32", "--host-offload-gb", "0.00002", "--max-num-seqs", "8"
+    )
+    with Traffic(server.url, clients=8, max_tokens=60, disconnect_every=5) as traffic:
+        traffic.wait_finished(8, timeout=120)
+        account = traffic.stop()
+    account.check()
+    assert server.get("/health")[0] == 200
+    assert account.count("failed") == 0, account
+    offloads = server.metric("mstar:offloads_total")
+    recomputed = server.metric("mstar:recomputations_total")
+    assert offloads > 0 and recomputed > 0  # the host pool filled: victims were recomputed
+    assert server.metric("mstar:host_kv_usage_perc") == 0.0
+    assert server.metric("mstar:kv_cache_usage_perc") == 0.0
+    record(
+        "host pool full",
+        account,
+        offloads=f"{offloads:.0f}",
+        recomputations=f"{recomputed:.0f}",
+    )
