@@ -27,6 +27,7 @@ from mstar.engine.resources.sampling.grammar import InvalidGrammar
 from mstar.engine.sampling_params import GrammarSpec, InvalidParameter
 from mstar.engine.server.async_engine import EngineDeadError, NewRequest
 from mstar.engine.server.choice import ChoiceState, Delta
+from mstar.engine.server.limits import RETRY_AFTER_SECONDS, Deadline
 from mstar.engine.server.protocol import (
     APIError,
     GenerationRequest,
@@ -37,7 +38,7 @@ from mstar.engine.server.protocol import (
     parse_completion_request,
 )
 from mstar.engine.server.responses import complete, stream
-from mstar.engine.server.state import RETRY_AFTER_SECONDS, STATE, ServerState
+from mstar.engine.server.state import STATE
 from mstar.engine.server.tools import template_messages
 
 
@@ -68,17 +69,6 @@ SUBMIT_ERRORS: tuple[tuple[type[Exception], int, str, str], ...] = (
     (ValueError, 400, "invalid_request_error", ""),
     (Exception, 500, "internal_server_error", "the engine refused the request: "),
 )
-
-
-def at_capacity(state: ServerState) -> APIError:
-    """The 429 of a server whose waiting queue is full."""
-    return APIError(
-        429,
-        f"The server is at capacity ({state.max_waiting_requests} waiting requests); retry later.",
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
 
 
 def submit_error(exc: Exception, req: GenerationRequest) -> APIError:
@@ -124,12 +114,7 @@ class Generation:
         self.prompt_texts: list[str] = []
         self.status = 200
         self.error: str | None = None
-        #: Seconds from arrival the request may take (None: no deadline) and its end on the
-        #: event loop's clock; `timed_out` once it passed.
-        self.timeout = self.state.request_timeout
-        self.timed_out = False
-        self._expires: float | None = None
-        self._set_deadline()
+        self.deadline = Deadline(self.arrival, self.state.request_timeout)
         self.trace = self.state.telemetry.start_request(
             request.headers,
             {
@@ -144,27 +129,9 @@ class Generation:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _set_deadline(self) -> None:
-        if self.timeout is None:
-            self._expires = None
-            return
-        loop = asyncio.get_running_loop()
-        self._expires = loop.time() + self.timeout - (time.monotonic() - self.arrival)
-
-    def _own_timeout(self, body: Any) -> None:
-        """A body's `timeout` (seconds) shortens the server's deadline, never lengthens it."""
-        value = body.get("timeout") if isinstance(body, dict) else None
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise bad_request("'timeout' must be a positive number of seconds", "timeout")
-        if self.timeout is None or value < self.timeout:
-            self.timeout = float(value)
-            self._set_deadline()
-
     async def parse(self) -> GenerationRequest:
         body = await read_json_body(self.request)
-        self._own_timeout(body)
+        self.deadline.shorten(body)
         req = parse_chat_request(body) if self.kind == "chat" else parse_completion_request(body)
         if req.model is not None and req.model != self.state.model_name:
             raise model_not_found(req.model)
@@ -253,17 +220,17 @@ class Generation:
 
     async def submit(self, req: GenerationRequest, new: list[NewRequest]) -> None:
         state = self.state
-        if state.async_engine.num_waiting() + len(new) > state.max_waiting_requests:
-            raise at_capacity(state)
+        if not state.admission.has_room(len(new)):
+            raise state.admission.refuse()
         try:
-            async with asyncio.timeout_at(self._expires):
+            async with asyncio.timeout_at(self.deadline.at):
                 await state.async_engine.add_requests(new)
         except BaseException as exc:
             for sub in self.subs:
                 sub.done = True  # add_requests undid the whole batch (refused or cancelled)
             if isinstance(exc, TimeoutError):
-                self.timed_out = True
-                raise self.deadline_error() from exc
+                self.deadline.passed = True
+                raise self.deadline.error() from exc
             if isinstance(exc, Exception):
                 raise submit_error(exc, req) from exc
             raise
@@ -272,19 +239,11 @@ class Generation:
 
     # -- consuming outputs ---------------------------------------------------------------------
 
-    def deadline_error(self) -> APIError:
-        return APIError(
-            504,
-            f"The request exceeded its deadline of {self.timeout:g}s.",
-            type="timeout_error",
-            code="deadline_exceeded",
-        )
-
     async def next_deltas(self) -> list[tuple[SubRequest, Delta]]:
         """Wait for engine output; return what can be shown now (may be empty). Past the
         deadline, every unfinished choice ends with an error (its engine request aborted)."""
         try:
-            async with asyncio.timeout_at(self._expires):
+            async with asyncio.timeout_at(self.deadline.at):
                 position, out = await self.queue.get()
         except TimeoutError:
             return self._expire()
@@ -295,8 +254,8 @@ class Generation:
         return [(sub, d) for sub, d in ready if d is not None]
 
     def _expire(self) -> list[tuple[SubRequest, Delta]]:
-        self.timed_out = True
-        error = RequestError(ErrorKind.INTERNAL, self.deadline_error().message)
+        self.deadline.passed = True
+        error = RequestError(ErrorKind.INTERNAL, self.deadline.error().message)
         now = time.monotonic()
         ready = []
         for position, sub in enumerate(self.subs):
@@ -382,8 +341,8 @@ class Generation:
             return None
         error = failed[0].error
         assert self.req is not None and error is not None
-        if self.timed_out:
-            return self.deadline_error()
+        if self.deadline.passed:
+            return self.deadline.error()
         if error.kind is ErrorKind.REJECTED:
             return bad_request(error.message, self.req.prompt_param)
         return APIError(500, error.message, type="internal_server_error")
@@ -467,10 +426,8 @@ async def generate(request: web.Request, kind: str) -> web.StreamResponse:
             type="service_unavailable",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
-    if not await state.wait_for_room():
-        # Before the body is read, parsed and tokenized: a flood of refusals must cost the
-        # server next to nothing, or it starves the requests it admitted (`bench_overload`).
-        raise at_capacity(state)
+    if not await state.admission.wait_for_room():  # before the body is even read (`limits`)
+        raise state.admission.refuse()
     state.enter()
     gen = Generation(request, kind)
     state.generations.add(gen)
