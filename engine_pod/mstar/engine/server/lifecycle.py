@@ -432,7 +432,11 @@ async def generate(request: web.Request, kind: str) -> web.StreamResponse:
     gen = Generation(request, kind)
     state.generations.add(gen)
     try:
-        req = await gen.parse()
+        try:  # reading the body, compiling a grammar: bounded by the server's deadline too
+            async with asyncio.timeout_at(gen.deadline.at):
+                req = await gen.parse()
+        except TimeoutError as exc:
+            raise gen.deadline.error() from exc
         prompts = gen.tokenize(req)
         new = gen.plan(req, prompts)
         await gen.submit(req, new)
