@@ -35,7 +35,11 @@ from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from bench_all import wait_ready  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
 TOPICS = ("a lighthouse", "the sea", "a robot", "autumn", "a city", "a cat", "bread", "rain")
 
 
@@ -181,21 +185,6 @@ def start_server(port: int, extra: list[str], log: Path, root: Path) -> subproce
     )
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server never became ready")
-
-
 HEADER = (
     "| clients | completed | completed tok/s | 429 | failed | 429 p50 ms | server CPU ms/answer |\n"
     "|---:|---:|---:|---:|---:|---:|---:|"
@@ -218,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     proc = None
     url = args.url
+    log = Path("/tmp/bench_overload_server.log")
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
-        log = Path("/tmp/bench_overload_server.log")
         proc = start_server(args.port, args.server_arg, log, args.root)
     try:
-        wait_ready(url, proc)
+        if proc is not None:
+            wait_ready(url, proc, log)
         print(f"loadavg before: {Path('/proc/loadavg').read_text().strip()}")
         phases = []
         for clients in [*args.concurrency, args.flood]:

@@ -26,7 +26,7 @@ def faulty_server(tiny_chat_dir: Path, tmp_path: Path) -> Iterator[Callable[...,
 
     yield start
     for server in servers:
-        server.kill()
+        server.stop()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
