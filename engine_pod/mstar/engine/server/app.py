@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from mstar.engine.config import EngineConfig
 from mstar.engine.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_CUTOFF_SECONDS = 1.0
 #: How often the watchdog asks whether the engine stalled (a fraction of any sensible bound).
 WATCHDOG_SECONDS = 0.5
+_DEFAULTS = EngineConfig()
 
 
 class OneLinePayloadErrors(logging.Filter):
@@ -192,8 +194,8 @@ def build_app(
     max_waiting_requests: int = 256,
     telemetry: Telemetry | None = None,
     engine_thread: EngineThread | None = None,
-    stall_timeout_seconds: float = 30.0,
-    request_timeout_seconds: float = 1800.0,
+    stall_timeout_seconds: float = _DEFAULTS.stall_timeout_seconds,
+    request_timeout_seconds: float = _DEFAULTS.request_timeout_seconds,
 ) -> web.Application:
     """The served app; the engine loop starts with the app and stops with it.
 
