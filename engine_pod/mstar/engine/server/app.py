@@ -263,14 +263,15 @@ WATCHDOG: web.AppKey[asyncio.Task[None]] = web.AppKey("mstar_watchdog", asyncio.
 
 
 async def watch_engine(engine: AsyncEngine) -> None:
-    """Declare a hung engine dead: its requests end with the stall's reason, at once, rather
-    than whenever a kubelet gets round to restarting the pod."""
-    while engine.alive:
+    """Declare a hung engine (or one whose thread is gone) dead: its requests end with the
+    reason at once, rather than whenever a kubelet gets round to restarting the pod. Cancelled
+    before a normal shutdown stops the engine."""
+    while engine.error is None:
         await asyncio.sleep(WATCHDOG_SECONDS)
-        stall = engine.liveness.stall()
-        if stall is not None:
-            log.error("%s; failing its requests", stall)
-            engine.fail(EngineDeadError(stall))
+        reason = engine.liveness.stall() if engine.alive else "the engine thread is gone"
+        if reason is not None and engine.error is None:
+            log.error("%s; failing its requests", reason)
+            engine.fail(EngineDeadError(reason))
 
 
 async def drain(app: web.Application, grace_seconds: float) -> bool:
