@@ -38,7 +38,7 @@ def _prompts(n: int, seed: int = 11, shared: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(tiny_llama_dir: Path):  # noqa: ANN201
+def hf_logprobs(tiny_llama_dir: Path):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
@@ -86,9 +86,9 @@ def _check(prompt: list[int], scores: list[TokenLogprob], ref: torch.Tensor) -> 
 SCORED = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
 
 
-def test_prompt_logprobs_equal_transformers(tiny_llama_dir: Path, hf_logprobs) -> None:  # noqa: ANN001
+def test_prompt_logprobs_equal_transformers(tiny_llama_dir: Path, hf_logprobs) -> None:
     engine = _engine(tiny_llama_dir)
-    prompts = _prompts(6) + [[5]]  # a one-token prompt has nothing to score
+    prompts = [*_prompts(6), [5]]  # a one-token prompt has nothing to score
     scores = _scores(_run(engine, prompts, SCORED), len(prompts))
     for prompt, got in zip(prompts, scores, strict=True):
         _check(prompt, got, hf_logprobs(prompt))
@@ -98,7 +98,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama_dir: Path, hf_logprobs) -
 def test_chunked_prefill_and_the_scored_row_cap(
     tiny_llama_dir: Path,
     hf_logprobs,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Chunks of 8 tokens, and at most 5 scored positions a step: scores still land in order,
     once each."""
@@ -110,7 +110,7 @@ def test_chunked_prefill_and_the_scored_row_cap(
         _check(prompt, got, hf_logprobs(prompt))
 
 
-def test_a_cached_prefix_is_still_scored(tiny_llama_dir: Path, hf_logprobs) -> None:  # noqa: ANN001
+def test_a_cached_prefix_is_still_scored(tiny_llama_dir: Path, hf_logprobs) -> None:
     """The prefix is cached by an unscored request first; the scored one reads none of it (its
     positions must run to have logits), and the pages it fills serve the next request."""
     engine = _engine(tiny_llama_dir)
@@ -130,7 +130,7 @@ def test_a_cached_prefix_is_still_scored(tiny_llama_dir: Path, hf_logprobs) -> N
 
 def test_eviction_and_recompute_score_each_token_once(
     tiny_llama_dir: Path,
-    hf_logprobs,  # noqa: ANN001
+    hf_logprobs,
 ) -> None:
     """A pool too small for the batch: victims are offloaded or recomputed; a recomputed prefill
     scores nothing twice and every score matches."""
