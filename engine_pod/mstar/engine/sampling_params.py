@@ -62,6 +62,11 @@ class GrammarSpec:
     #: Objects take no properties the schema does not name (OpenAI's `strict`); otherwise
     #: JSON-schema semantics (`additionalProperties` defaults to allowed).
     strict: bool = True
+    #: Tool calls as the alternative (`tool_choice` auto with a `response_format`): the JSON
+    #: schema of one call; the output is then either the content above or 1..`max_calls`
+    #: ``<tool_call>`` blocks each holding one call.
+    calls: str = ""
+    max_calls: int = 1
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
