@@ -21,13 +21,14 @@ from typing import Any
 import pytest
 from live_server import LiveServer, make_engine
 
+#: One prompt a request (guidellm stops when the file runs out).
 PROMPTS = [
     "w10 w11 w12 w13",
     "w20 w21",
     "w30 w31 w32",
     "w40",
     "w50 w51 w52 w53 w54",
-]  # one a request
+]
 
 
 @pytest.fixture(scope="module")
