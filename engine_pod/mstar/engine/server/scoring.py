@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mstar.engine.model.tokenizer import IncrementalDetokenizer
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 from mstar.engine.server.choice import TokenizerLike, clamp_logprob, token_text
@@ -37,15 +38,16 @@ def parse_prompt_logprobs(body: dict[str, Any], echo_top: int | None) -> int | N
     return max(asked) if asked else None
 
 
-def _prompt_pieces(tok: TokenizerLike, prompt_ids: list[int]) -> tuple[list[str], list[int]]:
-    """Each prompt token's text and its offset in the decoded prompt."""
-    texts = [token_text(tok, t) for t in prompt_ids]
+def _prompt_pieces(tok: Any, prompt_ids: list[int]) -> tuple[list[str], list[int]]:
+    """Each prompt token's text and where it starts in the decoded prompt (decoded as the
+    choice's text is, so a tokenizer whose tokens carry no spaces still lines up)."""
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
     offsets: list[int] = []
     at = 0
-    for text in texts:
+    for t in prompt_ids:
         offsets.append(at)
-        at += len(text)
-    return texts, offsets
+        at += len(detok.add([t]))
+    return [token_text(tok, t) for t in prompt_ids], offsets
 
 
 def echo_logprobs(
