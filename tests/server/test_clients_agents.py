@@ -59,7 +59,9 @@ def smol() -> Iterator[LiveServer]:
 
 
 def _tool_calls_counted(live: LiveServer) -> float:
-    return live.metric("mstar:request_success_total", model_name=MODEL, finished_reason="tool_calls")
+    return live.metric(
+        "mstar:request_success_total", model_name=MODEL, finished_reason="tool_calls"
+    )
 
 
 def test_response_format_with_a_forced_or_auto_tool_choice(smol: LiveServer) -> None:
