@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -18,8 +17,6 @@ import openai
 import pytest
 from live_server import LiveServer
 from pydantic import BaseModel
-
-from mstar.engine.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 
@@ -47,15 +44,6 @@ CITY_FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "City", "schema": City.model_json_schema(), "strict": True},
 }
-
-
-@pytest.fixture(scope="module")
-def smol() -> Iterator[LiveServer]:
-    from mstar.engine.engine import LLMEngine
-
-    engine = LLMEngine.from_config(EngineConfig(device="cpu", num_pages=512, page_size=16))
-    with LiveServer(engine) as live:
-        yield live
 
 
 def _tool_calls_counted(live: LiveServer) -> float:
