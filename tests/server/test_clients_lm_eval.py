@@ -9,6 +9,7 @@ summed over the choice's tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,10 +80,15 @@ def _evaluate(live: LiveServer, task_dir: Path, monkeypatch: pytest.MonkeyPatch)
     )
 
 
-def _hf_loglikelihood(folder: Path, context: list[int], continuation: list[int]) -> float:
+@functools.cache
+def _hf_model(folder: Path) -> Any:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def _hf_loglikelihood(folder: Path, context: list[int], continuation: list[int]) -> float:
+    model = _hf_model(folder)
     ids = context + continuation
     with torch.inference_mode():
         lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
