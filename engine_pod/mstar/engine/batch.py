@@ -28,6 +28,7 @@ __all__ = [
     "ScheduledRow",
     "ScoredRows",
     "StepResult",
+    "cap_scored",
     "declare_step",
     "eager_context",
     "is_batched_decode",
@@ -70,6 +71,15 @@ class StepResult:
     sampled: SampleOutput | None
     error: RequestError | None = None
     prompt_scores: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+def cap_scored(req: Request, n: int, room: int) -> tuple[int, int]:
+    """``n`` tokens of ``req`` cut so the row scores at most ``room`` prompt positions; the
+    chunk and the room left after it."""
+    first, end = req.score_span(n)
+    if end - first > room:
+        n, end = first - req.num_computed + room, first + room
+    return n, room - (end - first)
 
 
 def prompt_scores(rows: list[ScheduledRow]) -> list[ScoredRows]:

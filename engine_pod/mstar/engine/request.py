@@ -118,6 +118,11 @@ class Request:
         end = min(self.num_computed + num_tokens, len(self.prompt_token_ids) - 1)
         return first, max(first, end)
 
+    def num_scored(self, num_tokens: int) -> int:
+        """How many prompt positions the next ``num_tokens`` computed would score."""
+        first, end = self.score_span(num_tokens)
+        return end - first
+
     def _take_prompt_logprobs(self) -> list[TokenLogprob] | None:
         if self.params.prompt_logprobs is None or self._prompt_logprobs_sent:
             return None

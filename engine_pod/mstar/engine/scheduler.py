@@ -38,6 +38,7 @@ from mstar.engine.batch import (
     ScheduledBatch,
     ScheduledRow,
     StepResult,
+    cap_scored,
     declare_step,
     eager_context,
     is_batched_decode,
@@ -210,13 +211,13 @@ class Scheduler:
                 prompts += 1
                 pending += n
                 head = head or n
-                scored += _span(req.score_span(n))
+                scored += req.num_scored(n)
         if not self.offloaded:
             for req in itertools.islice(self.waiting, self.config.max_num_seqs):
                 prompts += 1
                 pending += req.num_uncomputed
                 head = head or req.num_uncomputed
-                scored += _span(req.score_span(req.num_uncomputed))
+                scored += req.num_scored(req.num_uncomputed)
         # A wave: prompts reaching an idle engine, and those that arrive before its last prompt
         # is prefilled (a client's batch lands over a few steps, not in one).
         if pending == 0:
@@ -245,7 +246,7 @@ class Scheduler:
                 return rows
             if req.hold_until > now:
                 continue
-            n, score_room = _scored_chunk(req, min(req.num_uncomputed, budget), score_room)
+            n, score_room = cap_scored(req, min(req.num_uncomputed, budget), score_room)
             if n <= 0:
                 continue
             rows.append(ScheduledRow(req, n))
@@ -263,7 +264,7 @@ class Scheduler:
             if need > available and need <= self.kv.num_pages and (rows or self.running):
                 break
             self._match_prefix(req)
-            n, score_room = _scored_chunk(req, min(req.num_uncomputed, budget), score_room)
+            n, score_room = cap_scored(req, min(req.num_uncomputed, budget), score_room)
             if n <= 0:
                 self._unmatch(req)
                 break
@@ -521,19 +522,6 @@ class Scheduler:
             del self.requests[req.request_id]
         self._finished.clear()
         return outputs
-
-
-def _span(span: tuple[int, int]) -> int:
-    return span[1] - span[0]
-
-
-def _scored_chunk(req: Request, n: int, room: int) -> tuple[int, int]:
-    """``n`` tokens cut so the row scores at most ``room`` prompt positions; the chunk and the
-    room left after it."""
-    first, end = req.score_span(n)
-    if end - first > room:
-        n, end = first - req.num_computed + room, first + room
-    return n, room - (end - first)
 
 
 __all__ = ["MAX_SCORED_ROWS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]
