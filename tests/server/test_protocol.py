@@ -325,3 +325,6 @@ def test_echo_with_logprobs_scores_the_prompt() -> None:
     req = parse_completion_request(comp(prompt_logprobs=3, echo=True, logprobs=1))
     assert req.params.prompt_logprobs == 3 and req.vllm_prompt_logprobs
     assert parse_completion_request(comp(logprobs=2)).params.prompt_logprobs is None
+    chat = {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}
+    assert parse_chat_request(chat).params.prompt_logprobs == 1
+    assert error_of(parse_chat_request, {**chat, "stream": True}).param == "stream"

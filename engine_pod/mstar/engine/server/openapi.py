@@ -229,6 +229,7 @@ def chat_request(max_model_len: int) -> Schema:
         },
         "messages",
         top_rule,
+        _only_when("prompt_logprobs", {"properties": {"stream": {"enum": [False, None]}}}),
     )
 
 

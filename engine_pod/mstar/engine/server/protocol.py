@@ -455,6 +455,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     req = _with_logprobs(kwargs, (top or 0) if want else None)
     req.messages = parse_messages(body.get("messages"))
     _score_prompt(req, body, None)
+    if req.stream and req.vllm_prompt_logprobs:  # a response-level field: vLLM refuses it too
+        raise bad_request("'prompt_logprobs' is not available when streaming chat", "stream")
     try:
         req.tools = parse_tools(body)
     except InvalidParameter as exc:
