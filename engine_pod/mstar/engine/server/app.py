@@ -32,7 +32,7 @@ from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import APIError
 from mstar.engine.server.state import STATE, ServerState
 from mstar.engine.server.telemetry import Telemetry
-from mstar.engine.server.tokenize import detokenize, tokenize
+from mstar.engine.server.tokenize import detokenize, tokenize, tokenizer_info
 from mstar.kernels.cpu_kernels import loaded_level
 
 log = logging.getLogger(__name__)
@@ -242,6 +242,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
 
     async def on_startup(app: web.Application) -> None:
         app[STATE].async_engine.start()

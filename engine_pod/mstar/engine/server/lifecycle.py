@@ -22,7 +22,13 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
-from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
+from mstar.engine.outputs import (
+    ErrorKind,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    TokenLogprob,
+)
 from mstar.engine.resources.sampling.grammar import InvalidGrammar
 from mstar.engine.sampling_params import GrammarSpec, InvalidParameter
 from mstar.engine.server.async_engine import EngineDeadError, NewRequest
@@ -39,7 +45,7 @@ from mstar.engine.server.protocol import (
 )
 from mstar.engine.server.responses import complete, stream
 from mstar.engine.server.state import STATE
-from mstar.engine.server.tools import template_messages
+from mstar.engine.server.tools import reported_reason, template_messages
 
 
 async def read_json_body(request: web.Request) -> Any:
@@ -96,6 +102,8 @@ class SubRequest:
     submitted: bool = False
     done: bool = False
     error: RequestError | None = None
+    #: The prompt's scores (`SamplingParams.prompt_logprobs`), once the engine sent them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -288,6 +296,8 @@ class Generation:
         if sub.done:
             return sub, None
         sub.last = out
+        if out.prompt_logprobs is not None:
+            sub.prompt_logprobs = out.prompt_logprobs
         choice = sub.choice
         if choice.add(out.new_token_ids, out.new_logprobs):
             self.state.async_engine.abort_request(sub.request_id)
@@ -304,6 +314,7 @@ class Generation:
         if sub.done:
             return
         sub.done = True
+        reason = reported_reason(self.req.tools if self.req else None, sub.choice.text, reason)
         last = sub.last
         now = time.monotonic()
         finished = last.finished_time if last and last.finished_time else now
