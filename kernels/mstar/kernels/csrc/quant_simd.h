@@ -1,0 +1,175 @@
+// The AVX2 kernels of quant_gemm.cpp, included there twice: once as they are (x86-64-v3 and
+// up), once under `#pragma GCC target("avx512vnni")` with MSTAR_QUANT_VNNI set (the AVX-512
+// levels, run where the CPU has VNNI): the same code with each group's integer dot one
+// VPDPBUSD instead of VPMADDUBSW + VPMADDWD. Each copy lives in its own namespace inside an
+// anonymous one, so no function of one copy can stand in for the other's at link time.
+// No include guard, no includes: quant_gemm.cpp includes what this needs first.
+
+// 32 unsigned weights (0-63) . 32 signed activations -> 8 int32 sums of 4 neighbours each.
+inline __m256i dot_u(__m256i q, __m256i x) {
+#if MSTAR_QUANT_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+// The same for signed weights (Q8_0): |w| . x * sign(w), unsigned times signed again.
+inline __m256i dot_s(__m256i q, __m256i x) {
+  return dot_u(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+}
+
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high4(__m256i v) { return low4(_mm256_srli_epi16(v, 4)); }
+// 16 bytes of nibble pairs -> 32 values: the low nibbles first, then the high ones.
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+  return _mm256_set_m128i(hi, lo);
+}
+// 16 where bit `bit` of each byte of qh is set, else 0 (Q5_K's fifth bit).
+inline __m256i bit16(__m256i qh, int bit) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(1 << bit));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m), m), _mm256_set1_epi8(16));
+}
+
+// Per type: the block's bytes, its groups, and `visit`, which calls f(group, q, s0, s1, m0, m1)
+// for each group of 32 values w[e] = s[e / 16] * q[e] + m[e / 16] (the form of Group).
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34, kGroups = 1;
+  static constexpr bool kSigned = true, kMin = false, kTwo = false;
+  template <class F>
+  static void visit(const uint8_t* b, int64_t g, F& f) {
+    const float d = half_at(b);
+    f(g, load32(b + 2), d, d, 0.0f, 0.0f);
+  }
+};
+struct Q4_0 {
+  static constexpr int64_t kBytes = 18, kGroups = 1;
+  static constexpr bool kSigned = false, kMin = true, kTwo = false;
+  template <class F>
+  static void visit(const uint8_t* b, int64_t g, F& f) {
+    const float d = half_at(b);
+    f(g, nibbles16(b + 2), d, d, -8.0f * d, -8.0f * d);
+  }
+};
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20, kGroups = 1;
+  static constexpr bool kSigned = false, kMin = true, kTwo = false;
+  template <class F>
+  static void visit(const uint8_t* b, int64_t g, F& f) {
+    const float d = half_at(b), m = half_at(b + 2);
+    f(g, nibbles16(b + 4), d, d, m, m);
+  }
+};
+template <bool kFive>
+struct QK45 {  // Q4_K, and Q5_K with its fifth bits
+  static constexpr int64_t kBytes = kFive ? 176 : 144, kGroups = 8;
+  static constexpr bool kSigned = false, kMin = true, kTwo = false;
+  template <class F>
+  static void visit(const uint8_t* b, int64_t g, F& f) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    const uint8_t* qs = b + (kFive ? 48 : 16);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (kFive) qh = load32(b + 16);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = load32(qs + 32 * j);
+      __m256i lo = low4(v), hi = high4(v);
+      if constexpr (kFive) {
+        lo = _mm256_or_si256(lo, bit16(qh, 2 * j));
+        hi = _mm256_or_si256(hi, bit16(qh, 2 * j + 1));
+      }
+      const float s0 = d * sc[2 * j], s1 = d * sc[2 * j + 1];
+      const float m0 = -dmin * mn[2 * j], m1 = -dmin * mn[2 * j + 1];
+      f(g + 2 * j, lo, s0, s0, m0, m0);
+      f(g + 2 * j + 1, hi, s1, s1, m1, m1);
+    }
+  }
+};
+struct Q6_K {
+  static constexpr int64_t kBytes = 210, kGroups = 8;
+  static constexpr bool kSigned = false, kMin = true, kTwo = true;
+  template <class F>
+  static void visit(const uint8_t* b, int64_t g, F& f) {
+    const float d = half_at(b + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m3 = _mm256_set1_epi8(3), m30 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = load32(b + 64 * h), ql1 = load32(b + 64 * h + 32);
+      const __m256i qh = load32(b + 128 + 32 * h);
+      const __m256i q[4] = {
+          _mm256_or_si256(low4(ql0), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+          _mm256_or_si256(low4(ql1), _mm256_slli_epi16(
+                                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+          _mm256_or_si256(high4(ql0), _mm256_and_si256(qh, m30)),
+          _mm256_or_si256(high4(ql1), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const float s0 = d * sc[8 * h + 2 * i], s1 = d * sc[8 * h + 2 * i + 1];
+        f(g + 4 * h + i, q[i], s0, s1, -32.0f * s0, -32.0f * s1);
+      }
+    }
+  }
+};
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// R activation rows . one weight row of `blocks` blocks -> res[R] (float32).
+template <class Ty, int R>
+inline void dot_rows(const uint8_t* w, int64_t blocks, const QuantAct* a, float* res) {
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  auto f = [&](int64_t g, __m256i q, float s0, float s1, float m0, float m1) {
+    const __m256 s = Ty::kTwo ? _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1))
+                              : _mm256_set1_ps(s0);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = load32(reinterpret_cast<const uint8_t*>(a[r].q + g * kGroup));
+      const __m256i p = Ty::kSigned ? dot_s(q, x) : dot_u(q, x);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s, _mm256_set1_ps(a[r].d[g])),
+                               acc[r]);
+      if constexpr (Ty::kMin) macc[r] += m0 * a[r].ds[2 * g] + m1 * a[r].ds[2 * g + 1];
+    }
+  };
+  for (int64_t b = 0; b < blocks; ++b) Ty::visit(w + b * Ty::kBytes, b * Ty::kGroups, f);
+  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]) + macc[r];
+}
+
+template <class Ty>
+void rows_of(const uint8_t* w, int64_t blocks, const QuantAct* a, int rows, float* res) {
+  switch (rows) {
+    case 1: return dot_rows<Ty, 1>(w, blocks, a, res);
+    case 2: return dot_rows<Ty, 2>(w, blocks, a, res);
+    case 3: return dot_rows<Ty, 3>(w, blocks, a, res);
+    default: return dot_rows<Ty, 4>(w, blocks, a, res);
+  }
+}
+
+// The kernel for `type`: (w row, blocks, activation rows, up to kQuantRows of them, res).
+inline RowsKernel rows_kernel(int64_t type) {
+  switch (type) {
+    case kQ8_0: return rows_of<Q8_0>;
+    case kQ4_0: return rows_of<Q4_0>;
+    case kQ4_1: return rows_of<Q4_1>;
+    case kQ4_K: return rows_of<QK45<false>>;
+    case kQ5_K: return rows_of<QK45<true>>;
+    case kQ6_K: return rows_of<Q6_K>;
+    default: return nullptr;
+  }
+}
