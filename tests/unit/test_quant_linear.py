@@ -107,7 +107,9 @@ def test_quant_linear_matches_the_references(kernels, name, rows, dtype, n, k):
     # quantizing x moves each value by at most half a step of its group
     step = np.repeat(d, 32, axis=1).astype(np.float64) / 2
     bound = step @ np.abs(w).T
-    assert np.all(np.abs(got - (xf.astype(np.float64) @ w.T + b)) <= bound * 1.0001 + out_round + 1e-5 * scale)
+    assert np.all(
+        np.abs(got - (xf.astype(np.float64) @ w.T + b)) <= bound * 1.0001 + out_round + 1e-5 * scale
+    )
 
 
 @pytest.mark.parametrize("name", TYPE_NAMES)
@@ -117,7 +119,9 @@ def test_quant_layer_forward_few_and_many_rows(kernels, name):
     n, k = 45, 256
     blocks = make_blocks(name, n, k, seed=3)
     bias = torch.randn(n)
-    layer = QuantLinear(torch.from_numpy(blocks), GGMLQuantizationType[name], k, bias, kernels=kernels)
+    layer = QuantLinear(
+        torch.from_numpy(blocks), GGMLQuantizationType[name], k, bias, kernels=kernels
+    )
     w = torch.from_numpy(gguf_weight(blocks, name))
     for shape in [(1, k), (2, 3, k), (DEQUANT_MIN_ROWS + 5, k)]:
         x = torch.randn(*shape)

@@ -37,12 +37,14 @@ inline __m256i bit16(__m256i qh, int bit) {
 }
 
 // Per type: the block's bytes, its groups, and `visit`, which calls f(group, q, s0, s1, m0, m1)
-// for each group of 32 values w[e] = s[e / 16] * q[e] + m[e / 16] (the form of Group).
+// for each group of 32 values w[e] = s[e / 16] * q[e] + m[e / 16] (the form of Group): fa for
+// the even groups of a K-quant super-block, fb for the odd ones (two accumulator chains: one
+// alone waits an FMA's latency per group), fa for the one group of the other types.
 struct Q8_0 {
   static constexpr int64_t kBytes = 34, kGroups = 1;
   static constexpr bool kSigned = true, kMin = false, kTwo = false;
   template <class F>
-  static void visit(const uint8_t* b, int64_t g, F& f) {
+  static void visit(const uint8_t* b, int64_t g, F& f, F&) {
     const float d = half_at(b);
     f(g, load32(b + 2), d, d, 0.0f, 0.0f);
   }
@@ -51,7 +53,7 @@ struct Q4_0 {
   static constexpr int64_t kBytes = 18, kGroups = 1;
   static constexpr bool kSigned = false, kMin = true, kTwo = false;
   template <class F>
-  static void visit(const uint8_t* b, int64_t g, F& f) {
+  static void visit(const uint8_t* b, int64_t g, F& f, F&) {
     const float d = half_at(b);
     f(g, nibbles16(b + 2), d, d, -8.0f * d, -8.0f * d);
   }
@@ -60,7 +62,7 @@ struct Q4_1 {
   static constexpr int64_t kBytes = 20, kGroups = 1;
   static constexpr bool kSigned = false, kMin = true, kTwo = false;
   template <class F>
-  static void visit(const uint8_t* b, int64_t g, F& f) {
+  static void visit(const uint8_t* b, int64_t g, F& f, F&) {
     const float d = half_at(b), m = half_at(b + 2);
     f(g, nibbles16(b + 4), d, d, m, m);
   }
@@ -70,7 +72,7 @@ struct QK45 {  // Q4_K, and Q5_K with its fifth bits
   static constexpr int64_t kBytes = kFive ? 176 : 144, kGroups = 8;
   static constexpr bool kSigned = false, kMin = true, kTwo = false;
   template <class F>
-  static void visit(const uint8_t* b, int64_t g, F& f) {
+  static void visit(const uint8_t* b, int64_t g, F& f, F& fb) {
     const float d = half_at(b), dmin = half_at(b + 2);
     uint8_t sc[8], mn[8];
     k_scales(b + 4, sc, mn);
@@ -88,7 +90,7 @@ struct QK45 {  // Q4_K, and Q5_K with its fifth bits
       const float s0 = d * sc[2 * j], s1 = d * sc[2 * j + 1];
       const float m0 = -dmin * mn[2 * j], m1 = -dmin * mn[2 * j + 1];
       f(g + 2 * j, lo, s0, s0, m0, m0);
-      f(g + 2 * j + 1, hi, s1, s1, m1, m1);
+      fb(g + 2 * j + 1, hi, s1, s1, m1, m1);
     }
   }
 };
@@ -96,7 +98,7 @@ struct Q6_K {
   static constexpr int64_t kBytes = 210, kGroups = 8;
   static constexpr bool kSigned = false, kMin = true, kTwo = true;
   template <class F>
-  static void visit(const uint8_t* b, int64_t g, F& f) {
+  static void visit(const uint8_t* b, int64_t g, F& f, F& fb) {
     const float d = half_at(b + 208);
     const auto* sc = reinterpret_cast<const int8_t*>(b + 192);
     const __m256i m3 = _mm256_set1_epi8(3), m30 = _mm256_set1_epi8(0x30);
@@ -113,7 +115,7 @@ struct Q6_K {
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const float s0 = d * sc[8 * h + 2 * i], s1 = d * sc[8 * h + 2 * i + 1];
-        f(g + 4 * h + i, q[i], s0, s1, -32.0f * s0, -32.0f * s1);
+        (i % 2 ? fb : f)(g + 4 * h + i, q[i], s0, s1, -32.0f * s0, -32.0f * s1);
       }
     }
   }
@@ -126,16 +128,20 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// R activation rows . one weight row of `blocks` blocks -> res[R] (float32).
+// Accumulates groups of one weight row times R activation rows: one of a kernel's two chains.
 template <class Ty, int R>
-inline void dot_rows(const uint8_t* w, int64_t blocks, const QuantAct* a, float* res) {
+struct Chain {
+  const QuantAct* a;
   __m256 acc[R];
   float macc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
+
+  explicit Chain(const QuantAct* rows) : a(rows) {
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      macc[r] = 0.0f;
+    }
   }
-  auto f = [&](int64_t g, __m256i q, float s0, float s1, float m0, float m1) {
+  void operator()(int64_t g, __m256i q, float s0, float s1, float m0, float m1) {
     const __m256 s = Ty::kTwo ? _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1))
                               : _mm256_set1_ps(s0);
 #pragma GCC unroll 4
@@ -146,9 +152,23 @@ inline void dot_rows(const uint8_t* w, int64_t blocks, const QuantAct* a, float*
                                acc[r]);
       if constexpr (Ty::kMin) macc[r] += m0 * a[r].ds[2 * g] + m1 * a[r].ds[2 * g + 1];
     }
-  };
-  for (int64_t b = 0; b < blocks; ++b) Ty::visit(w + b * Ty::kBytes, b * Ty::kGroups, f);
-  for (int r = 0; r < R; ++r) res[r] = hsum8(acc[r]) + macc[r];
+  }
+};
+
+// R activation rows . one weight row of `blocks` blocks -> res[R] (float32).
+template <class Ty, int R>
+inline void dot_rows(const uint8_t* w, int64_t blocks, const QuantAct* a, float* res) {
+  Chain<Ty, R> even(a), odd(a);
+  int64_t b = 0;
+  if constexpr (Ty::kGroups == 1) {
+    for (; b + 2 <= blocks; b += 2) {
+      Ty::visit(w + b * Ty::kBytes, b, even, odd);
+      Ty::visit(w + (b + 1) * Ty::kBytes, b + 1, odd, even);
+    }
+  }
+  for (; b < blocks; ++b) Ty::visit(w + b * Ty::kBytes, b * Ty::kGroups, even, odd);
+  for (int r = 0; r < R; ++r)
+    res[r] = hsum8(_mm256_add_ps(even.acc[r], odd.acc[r])) + even.macc[r] + odd.macc[r];
 }
 
 template <class Ty>
