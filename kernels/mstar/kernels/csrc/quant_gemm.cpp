@@ -23,11 +23,12 @@ namespace mstar_cpu {
 namespace {
 
 // One activation row quantized: q [K], d [K / 32] (each group's scale), ds [K / 16] (each
-// half-group's d * sum of q, what an offset multiplies).
+// half-group's d * sum of q, what an offset multiplies), dsum [K / 32] (the same per group).
 struct QuantAct {
   const int8_t* q;
   const float* d;
   const float* ds;
+  const float* dsum;
 };
 
 constexpr int kQuantRows = 4;  // activation rows per pass over a weight row
@@ -101,7 +102,7 @@ RowsKernel kernel_for(int64_t type) {
 // One row of x -> its QuantAct arrays: per group d = max|x| / 127, q = x * 127 / max|x|
 // rounded to nearest even (all zero for an all-zero group).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds, float* dsum) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
     float v[kGroup];
     float amax = 0.0f;
@@ -119,6 +120,7 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds) {
     d[g] = amax / 127.0f;
     ds[2 * g] = d[g] * static_cast<float>(sum[0]);
     ds[2 * g + 1] = d[g] * static_cast<float>(sum[1]);
+    dsum[g] = d[g] * static_cast<float>(sum[0] + sum[1]);
   }
 }
 
@@ -160,15 +162,16 @@ void quant_gemm(int64_t type, const uint8_t* w, int64_t n, int64_t k, const T* x
   const int64_t blocks = k / quant_block_elems(type), row_bytes = blocks * quant_block_bytes(type);
   const int64_t groups = k / kGroup;
   std::vector<int8_t> q(m * k);
-  std::vector<float> d(m * groups), ds(m * groups * 2);
+  std::vector<float> d(m * groups), ds(m * groups * 2), dsum(m * groups);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       quantize_row(x + r * lda, k, q.data() + r * k, d.data() + r * groups,
-                   ds.data() + r * groups * 2);
+                   ds.data() + r * groups * 2, dsum.data() + r * groups);
   });
   std::vector<QuantAct> act(m);
   for (int64_t r = 0; r < m; ++r)
-    act[r] = {q.data() + r * k, d.data() + r * groups, ds.data() + r * groups * 2};
+    act[r] = {q.data() + r * k, d.data() + r * groups, ds.data() + r * groups * 2,
+              dsum.data() + r * groups};
   at::parallel_for(0, n, 8, [&](int64_t n0, int64_t n1) {
     float res[kQuantRows];
     for (int64_t col = n0; col < n1; ++col) {

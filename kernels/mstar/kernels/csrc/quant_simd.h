@@ -36,46 +36,53 @@ inline __m256i bit16(__m256i qh, int bit) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, m), m), _mm256_set1_epi8(16));
 }
 
-// Per type: the block's bytes, its groups, and `visit`, which calls f(group, q, s0, s1, m0, m1)
-// for each group of 32 values w[e] = s[e / 16] * q[e] + m[e / 16] (the form of Group): fa for
-// the even groups of a K-quant super-block, fb for the odd ones (two accumulator chains: one
-// alone waits an FMA's latency per group), fa for the one group of the other types.
+// Per type: the block's bytes, its groups, and `visit`, which calls f(group, q, s0, s1) for
+// each group of 32 values w[e] = s[e / 16] * q[e] + m[e / 16] (the form of Group), and adds
+// the offsets m times the activation sums by f.min1 (one group's m) or f.min8 (8 groups' or
+// half-groups' m in one vector). The K-quants call fa for their even groups and fb for the odd
+// ones (two accumulator chains: one alone waits an FMA's latency per group); the 32-value types
+// call fa, and the caller alternates the two per block.
 struct Q8_0 {
   static constexpr int64_t kBytes = 34, kGroups = 1;
-  static constexpr bool kSigned = true, kMin = false, kTwo = false;
+  static constexpr bool kSigned = true, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F&) {
     const float d = half_at(b);
-    f(g, load32(b + 2), d, d, 0.0f, 0.0f);
+    f(g, load32(b + 2), d, d);
   }
 };
 struct Q4_0 {
   static constexpr int64_t kBytes = 18, kGroups = 1;
-  static constexpr bool kSigned = false, kMin = true, kTwo = false;
+  static constexpr bool kSigned = false, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F&) {
     const float d = half_at(b);
-    f(g, nibbles16(b + 2), d, d, -8.0f * d, -8.0f * d);
+    f(g, nibbles16(b + 2), d, d);
+    f.min1(g, -8.0f * d);
   }
 };
 struct Q4_1 {
   static constexpr int64_t kBytes = 20, kGroups = 1;
-  static constexpr bool kSigned = false, kMin = true, kTwo = false;
+  static constexpr bool kSigned = false, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F&) {
     const float d = half_at(b), m = half_at(b + 2);
-    f(g, nibbles16(b + 4), d, d, m, m);
+    f(g, nibbles16(b + 4), d, d);
+    f.min1(g, m);
   }
 };
 template <bool kFive>
 struct QK45 {  // Q4_K, and Q5_K with its fifth bits
   static constexpr int64_t kBytes = kFive ? 176 : 144, kGroups = 8;
-  static constexpr bool kSigned = false, kMin = true, kTwo = false;
+  static constexpr bool kSigned = false, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F& fb) {
     const float d = half_at(b), dmin = half_at(b + 2);
     uint8_t sc[8], mn[8];
     k_scales(b + 4, sc, mn);
+    const __m128i mn8 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    f.min8(&QuantAct::dsum, g, _mm256_mul_ps(_mm256_set1_ps(-dmin),
+                                             _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(mn8))));
     const uint8_t* qs = b + (kFive ? 48 : 16);
     __m256i qh = _mm256_setzero_si256();
     if constexpr (kFive) qh = load32(b + 16);
@@ -88,15 +95,14 @@ struct QK45 {  // Q4_K, and Q5_K with its fifth bits
         hi = _mm256_or_si256(hi, bit16(qh, 2 * j + 1));
       }
       const float s0 = d * sc[2 * j], s1 = d * sc[2 * j + 1];
-      const float m0 = -dmin * mn[2 * j], m1 = -dmin * mn[2 * j + 1];
-      f(g + 2 * j, lo, s0, s0, m0, m0);
-      fb(g + 2 * j + 1, hi, s1, s1, m1, m1);
+      f(g + 2 * j, lo, s0, s0);
+      fb(g + 2 * j + 1, hi, s1, s1);
     }
   }
 };
 struct Q6_K {
   static constexpr int64_t kBytes = 210, kGroups = 8;
-  static constexpr bool kSigned = false, kMin = true, kTwo = true;
+  static constexpr bool kSigned = false, kTwo = true;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F& fb) {
     const float d = half_at(b + 208);
@@ -104,6 +110,9 @@ struct Q6_K {
     const __m256i m3 = _mm256_set1_epi8(3), m30 = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
+      const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * h));
+      f.min8(&QuantAct::ds, 2 * g + 8 * h,
+             _mm256_mul_ps(_mm256_set1_ps(-32.0f * d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))));
       const __m256i ql0 = load32(b + 64 * h), ql1 = load32(b + 64 * h + 32);
       const __m256i qh = load32(b + 128 + 32 * h);
       const __m256i q[4] = {
@@ -115,7 +124,7 @@ struct Q6_K {
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
         const float s0 = d * sc[8 * h + 2 * i], s1 = d * sc[8 * h + 2 * i + 1];
-        (i % 2 ? fb : f)(g + 4 * h + i, q[i], s0, s1, -32.0f * s0, -32.0f * s1);
+        (i % 2 ? fb : f)(g + 4 * h + i, q[i], s0, s1);
       }
     }
   }
@@ -133,15 +142,23 @@ template <class Ty, int R>
 struct Chain {
   const QuantAct* a;
   __m256 acc[R];
-  float macc[R];
+  __m256 macc8[R];  // offsets by min8
+  float macc[R];  // offsets by min1
 
   explicit Chain(const QuantAct* rows) : a(rows) {
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_setzero_ps();
+      acc[r] = macc8[r] = _mm256_setzero_ps();
       macc[r] = 0.0f;
     }
   }
-  void operator()(int64_t g, __m256i q, float s0, float s1, float m0, float m1) {
+  void min1(int64_t g, float m) {
+    for (int r = 0; r < R; ++r) macc[r] += m * a[r].dsum[g];
+  }
+  // m [8] times the activation rows' `sums` (dsum or ds) from index i
+  void min8(const float* QuantAct::*sums, int64_t i, __m256 m) {
+    for (int r = 0; r < R; ++r) macc8[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(a[r].*sums + i), macc8[r]);
+  }
+  void operator()(int64_t g, __m256i q, float s0, float s1) {
     const __m256 s = Ty::kTwo ? _mm256_setr_m128(_mm_set1_ps(s0), _mm_set1_ps(s1))
                               : _mm256_set1_ps(s0);
 #pragma GCC unroll 4
@@ -150,7 +167,6 @@ struct Chain {
       const __m256i p = Ty::kSigned ? dot_s(q, x) : dot_u(q, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s, _mm256_set1_ps(a[r].d[g])),
                                acc[r]);
-      if constexpr (Ty::kMin) macc[r] += m0 * a[r].ds[2 * g] + m1 * a[r].ds[2 * g + 1];
     }
   }
 };
@@ -168,7 +184,8 @@ inline void dot_rows(const uint8_t* w, int64_t blocks, const QuantAct* a, float*
   }
   for (; b < blocks; ++b) Ty::visit(w + b * Ty::kBytes, b * Ty::kGroups, even, odd);
   for (int r = 0; r < R; ++r)
-    res[r] = hsum8(_mm256_add_ps(even.acc[r], odd.acc[r])) + even.macc[r] + odd.macc[r];
+    res[r] = hsum8(_mm256_add_ps(_mm256_add_ps(even.acc[r], odd.acc[r]), even.macc8[r])) +
+             even.macc[r] + odd.macc[r];
 }
 
 template <class Ty>
