@@ -61,7 +61,7 @@ def file_linears(path: Path, kernels: object) -> list[tuple[str, Layer, int]]:
     """The file's linears in step order: (shape name, layer, stored bytes)."""
     by_name = {t.name: t for t in read_stored(path)}
     names = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    out = []
+    out: list[tuple[str, Layer, int]] = []
     for i in range(LAYERS):
         mods = [f"self_attn.{n}" for n in names] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
         for shape, mod in zip(PER_LAYER, mods, strict=True):
@@ -85,7 +85,7 @@ def file_linears(path: Path, kernels: object) -> list[tuple[str, Layer, int]]:
 def synthetic_linears(qtype: GGMLQuantizationType, kernels: object) -> list[tuple[str, Layer, int]]:
     """Every linear whose inputs are whole blocks of ``qtype`` (K-quants: only ``down``)."""
     block, size = GGML_QUANT_SIZES[qtype]
-    out = []
+    out: list[tuple[str, Layer, int]] = []
     for shape in step_plan():
         n, k = SHAPES[shape]
         if k % block == 0:
@@ -95,7 +95,7 @@ def synthetic_linears(qtype: GGMLQuantizationType, kernels: object) -> list[tupl
 
 
 def bf16_linears(kernels: object) -> list[tuple[str, Layer, int]]:
-    out = []
+    out: list[tuple[str, Layer, int]] = []
     for shape in step_plan():
         n, k = SHAPES[shape]
         linear = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
@@ -138,7 +138,8 @@ def gemv_table(models: dict[str, list[tuple[str, Layer, int]]], repeat: int) -> 
         print(
             f"| {label} | "
             + " | ".join(cells)
-            + f" | {t['total'] * 1e3:.2f} | {total_bytes / 1e6:.1f} | {total_bytes / t['total'] / 1e9:.1f} |"
+            + f" | {t['total'] * 1e3:.2f} | {total_bytes / 1e6:.1f}"
+            + f" | {total_bytes / t['total'] / 1e9:.1f} |"
         )
 
 

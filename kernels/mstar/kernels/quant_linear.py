@@ -60,6 +60,9 @@ class QuantLinear(nn.Module):
     ``kernels``: `cpu_kernels.load()`'s extension (or one level's, `cpu_kernels.load_level`).
     """
 
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         blocks: torch.Tensor,
@@ -94,7 +97,9 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias: torch.Tensor | None = self.bias
+        if bias is not None:
+            bias = bias.to(x.dtype)
         if x2.shape[0] >= DEQUANT_MIN_ROWS:
             y = F.linear(x2, self.dequantize(x.dtype), bias)
         else:
