@@ -43,7 +43,9 @@ def row_bytes(qtype: int, in_features: int) -> int:
     type when it is not served or the row is not whole blocks."""
     if not served(qtype):
         names = ", ".join(t.name for t in SERVED)
-        raise ValueError(f"quantization type {qtype} is not served (one of: {names})")
+        known = int(qtype) in GGMLQuantizationType._value2member_map_
+        label = GGMLQuantizationType(qtype).name if known else f"id {int(qtype)}"
+        raise ValueError(f"quantization type {label} is not served (one of: {names})")
     qtype = GGMLQuantizationType(qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     if in_features <= 0 or in_features % block:
