@@ -30,7 +30,7 @@ SERVED = tuple(
 
 #: Batches from this many rows dequantize the weight and run torch's GEMM instead of the integer
 #: kernel (set from `bench/bench_quant.py`'s row sweep; see the kernels README).
-DEQUANT_MIN_ROWS = 32
+DEQUANT_MIN_ROWS = 16
 
 
 def served(qtype: int) -> bool:

@@ -71,11 +71,9 @@ inline int decode_block(int64_t type, const uint8_t* b, Group* g) {
     case kQ4_1: {
       const float d = half_at(b);
       const uint8_t* qs = b + (type == kQ4_0 ? 2 : 4);
-      for (int l = 0; l < 16; ++l) {
-        const int sub = type == kQ4_0 ? 8 : 0;
-        g->q[l] = static_cast<int8_t>((qs[l] & 0xF) - sub);
-        g->q[l + 16] = static_cast<int8_t>((qs[l] >> 4) - sub);
-      }
+      const int sub = type == kQ4_0 ? 8 : 0;
+      for (int l = 0; l < 16; ++l) g->q[l] = static_cast<int8_t>((qs[l] & 0xF) - sub);
+      for (int l = 0; l < 16; ++l) g->q[l + 16] = static_cast<int8_t>((qs[l] >> 4) - sub);
       set_scale(*g, d, type == kQ4_0 ? 0.0f : half_at(b + 2));
       return 1;
     }

@@ -66,7 +66,8 @@ void scalar_rows(const uint8_t* w, int64_t blocks, const QuantAct* a, int rows, 
       for (int r = 0; r < rows; ++r) {
         const int8_t* x = a[r].q + gi * kGroup;
         int32_t sum[2] = {0, 0};
-        for (int e = 0; e < kGroup; ++e) sum[e / 16] += g[i].q[e] * x[e];
+        for (int h = 0; h < 2; ++h)
+          for (int e = 16 * h; e < 16 * h + 16; ++e) sum[h] += g[i].q[e] * x[e];
         acc[r] += a[r].d[gi] * (g[i].s[0] * sum[0] + g[i].s[1] * sum[1]) +
                   g[i].m[0] * a[r].ds[2 * gi] + g[i].m[1] * a[r].ds[2 * gi + 1];
       }
@@ -185,20 +186,50 @@ void quant_gemm(int64_t type, const uint8_t* w, int64_t n, int64_t k, const T* x
   });
 }
 
+namespace {
+
+#if !defined(__AVX2__)
+// The baseline's quant_dequant for one type (a constant: decode_block's switch folds away).
+template <int64_t kType, typename T>
+void dequant_scalar(const uint8_t* w, int64_t k, float*, float*, T* out) {
+  const int64_t elems = quant_block_elems(kType), bytes = quant_block_bytes(kType);
+  Group g[8];
+  for (int64_t b = 0; b < k / elems; ++b) {
+    const int groups = decode_block(kType, w + b * bytes, g);
+    for (int i = 0; i < groups; ++i)
+      for (int e = 0; e < kGroup; ++e)
+        out[b * elems + i * kGroup + e] =
+            static_cast<T>(g[i].s[e / 16] * g[i].q[e] + g[i].m[e / 16]);
+  }
+}
+#endif
+
+template <typename T>
+void (*dequant_for(int64_t type))(const uint8_t*, int64_t, float*, float*, T*) {
+#if defined(__AVX2__)
+  return avx2::dequant_kernel<T>(type);
+#else
+  switch (type) {
+    case kQ8_0: return dequant_scalar<kQ8_0, T>;
+    case kQ4_0: return dequant_scalar<kQ4_0, T>;
+    case kQ4_1: return dequant_scalar<kQ4_1, T>;
+    case kQ4_K: return dequant_scalar<kQ4_K, T>;
+    case kQ5_K: return dequant_scalar<kQ5_K, T>;
+    case kQ6_K: return dequant_scalar<kQ6_K, T>;
+    default: return nullptr;
+  }
+#endif
+}
+
+}  // namespace
+
 template <typename T>
 void quant_dequant(int64_t type, const uint8_t* w, int64_t n, int64_t k, T* out) {
-  const int64_t elems = quant_block_elems(type), bytes = quant_block_bytes(type);
-  const int64_t blocks = k / elems;
+  const auto row_fn = dequant_for<T>(type);
+  const int64_t row_bytes = k / quant_block_elems(type) * quant_block_bytes(type);
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    Group g[8];
-    for (int64_t row = n0; row < n1; ++row)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int groups = decode_block(type, w + (row * blocks + b) * bytes, g);
-        T* o = out + row * k + b * elems;
-        for (int i = 0; i < groups; ++i)
-          for (int e = 0; e < kGroup; ++e)
-            o[i * kGroup + e] = static_cast<T>(g[i].s[e / 16] * g[i].q[e] + g[i].m[e / 16]);
-      }
+    std::vector<float> row(k), half_m(k / 16);
+    for (int64_t r = n0; r < n1; ++r) row_fn(w + r * row_bytes, k, row.data(), half_m.data(), out + r * k);
   });
 }
 

@@ -41,9 +41,11 @@ inline __m256i bit16(__m256i qh, int bit) {
 // the offsets m times the activation sums by f.min1 (one group's m) or f.min8 (8 groups' or
 // half-groups' m in one vector). The K-quants call fa for their even groups and fb for the odd
 // ones (two accumulator chains: one alone waits an FMA's latency per group); the 32-value types
-// call fa, and the caller alternates the two per block.
+// call fa, and the caller alternates the two per block. kOffset: the offset that is a constant
+// times the scale (Q4_0: -8 s, Q6_K: -32 s), which dequantization subtracts from q instead, as
+// ggml does (s * (q - 32) and s * q - 32 s round differently).
 struct Q8_0 {
-  static constexpr int64_t kBytes = 34, kGroups = 1;
+  static constexpr int64_t kBytes = 34, kGroups = 1, kOffset = 0;
   static constexpr bool kSigned = true, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F&) {
@@ -52,7 +54,7 @@ struct Q8_0 {
   }
 };
 struct Q4_0 {
-  static constexpr int64_t kBytes = 18, kGroups = 1;
+  static constexpr int64_t kBytes = 18, kGroups = 1, kOffset = 8;
   static constexpr bool kSigned = false, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F&) {
@@ -62,7 +64,7 @@ struct Q4_0 {
   }
 };
 struct Q4_1 {
-  static constexpr int64_t kBytes = 20, kGroups = 1;
+  static constexpr int64_t kBytes = 20, kGroups = 1, kOffset = 0;
   static constexpr bool kSigned = false, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F&) {
@@ -73,7 +75,7 @@ struct Q4_1 {
 };
 template <bool kFive>
 struct QK45 {  // Q4_K, and Q5_K with its fifth bits
-  static constexpr int64_t kBytes = kFive ? 176 : 144, kGroups = 8;
+  static constexpr int64_t kBytes = kFive ? 176 : 144, kGroups = 8, kOffset = 0;
   static constexpr bool kSigned = false, kTwo = false;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F& fb) {
@@ -101,7 +103,7 @@ struct QK45 {  // Q4_K, and Q5_K with its fifth bits
   }
 };
 struct Q6_K {
-  static constexpr int64_t kBytes = 210, kGroups = 8;
+  static constexpr int64_t kBytes = 210, kGroups = 8, kOffset = 32;
   static constexpr bool kSigned = false, kTwo = true;
   template <class F>
   static void visit(const uint8_t* b, int64_t g, F& f, F& fb) {
@@ -207,6 +209,72 @@ inline RowsKernel rows_kernel(int64_t type) {
     case kQ4_K: return rows_of<QK45<false>>;
     case kQ5_K: return rows_of<QK45<true>>;
     case kQ6_K: return rows_of<Q6_K>;
+    default: return nullptr;
+  }
+}
+
+// Dequantization by the same unpacking: each group's s * (q - kOffset) into a float row, the
+// other offsets (min1 / min8) per half-group, added in a second pass, so each value is ggml's
+// two float operations (s * q, + m) and rounds as its dequantization does.
+template <class Ty>
+struct DequantSink {
+  float* row;  // [K]
+  float* half_m;  // [K / 16]
+  bool offsets = false;
+
+  void operator()(int64_t g, __m256i q, float s0, float s1) {
+    if constexpr (Ty::kOffset != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(Ty::kOffset));
+    const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int i = 0; i < 4; ++i) {
+      const __m128i part = i % 2 ? _mm_unpackhi_epi64(half[i / 2], half[i / 2]) : half[i / 2];
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+      _mm256_storeu_ps(row + g * kGroup + 8 * i, _mm256_mul_ps(v, _mm256_set1_ps(i < 2 ? s0 : s1)));
+    }
+  }
+  void min1(int64_t g, float m) {
+    if constexpr (Ty::kOffset != 0) return;
+    half_m[2 * g] = half_m[2 * g + 1] = m;
+    offsets = true;
+  }
+  void min8(const float* QuantAct::*sums, int64_t i, __m256 m) {
+    if constexpr (Ty::kOffset != 0) return;
+    float v[8];
+    _mm256_storeu_ps(v, m);
+    for (int j = 0; j < 8; ++j) {
+      if (sums == &QuantAct::ds) {
+        half_m[i + j] = v[j];
+      } else {
+        half_m[2 * (i + j)] = half_m[2 * (i + j) + 1] = v[j];
+      }
+    }
+    offsets = true;
+  }
+};
+
+template <class Ty, typename T>
+void dequant_row(const uint8_t* w, int64_t k, float* row, float* half_m, T* out) {
+  DequantSink<Ty> sink{row, half_m};
+  for (int64_t b = 0; b < k / (kGroup * Ty::kGroups); ++b)
+    Ty::visit(w + b * Ty::kBytes, b * Ty::kGroups, sink, sink);
+  for (int64_t h = 0; h < k / 16; ++h) {
+    const float m = sink.offsets ? half_m[h] : 0.0f;
+    for (int64_t e = 16 * h; e < 16 * h + 16; ++e)
+      out[e] = static_cast<T>(sink.offsets ? row[e] + m : row[e]);
+  }
+}
+
+template <typename T>
+using DequantRow = void (*)(const uint8_t*, int64_t, float*, float*, T*);
+
+template <typename T>
+DequantRow<T> dequant_kernel(int64_t type) {
+  switch (type) {
+    case kQ8_0: return dequant_row<Q8_0, T>;
+    case kQ4_0: return dequant_row<Q4_0, T>;
+    case kQ4_1: return dequant_row<Q4_1, T>;
+    case kQ4_K: return dequant_row<QK45<false>, T>;
+    case kQ5_K: return dequant_row<QK45<true>, T>;
+    case kQ6_K: return dequant_row<Q6_K, T>;
     default: return nullptr;
   }
 }
