@@ -1,7 +1,7 @@
 """GGUF block-quantized GEMM (`cpu_kernels.quant_linear`, `QuantLinear`) at every ISA level the
 CPU runs, per type, against the ``gguf`` package's own dequantization.
 
-Weights of the types ``gguf`` can quantize (Q8_0, Q4_0, Q4_1) come from its ``quantize`` of a
+Weights of the types ``gguf`` can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) come from its ``quantize`` of a
 random float matrix; for the K-quants (it only dequantizes those) every byte of every block is
 random except the float16 super-block scales (``d``, and ``dmin`` for Q4_K / Q5_K), written as
 finite positive values, so every 6-bit scale and min, nibble and high bit pattern occurs.
@@ -46,7 +46,7 @@ def make_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """W [n, k] of type ``name`` as GGUF stores it: uint8 [n, row bytes]."""
     qtype = GGMLQuantizationType[name]
     rng = np.random.default_rng(seed)
-    if name in ("Q8_0", "Q4_0", "Q4_1"):
+    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
         return quantize(w, qtype)
     block, size = GGML_QUANT_SIZES[qtype]
@@ -143,8 +143,8 @@ def test_vnni_runs_where_the_level_and_cpu_have_it(kernels):
 
 def test_bad_weights_are_refused_by_name(kernels):
     blocks = torch.from_numpy(make_blocks("Q4_1", 4, 64))
-    with pytest.raises(ValueError, match="Q5_0"):
-        row_bytes(GGMLQuantizationType.Q5_0, 64)
+    with pytest.raises(ValueError, match="Q2_K"):
+        row_bytes(GGMLQuantizationType.Q2_K, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
         row_bytes(GGMLQuantizationType.Q4_K, 64)
     with pytest.raises(ValueError, match="uint8"):
@@ -153,6 +153,6 @@ def test_bad_weights_are_refused_by_name(kernels):
     with pytest.raises(RuntimeError, match="blocks must be contiguous uint8"):
         kernels.quant_linear(x, blocks, GGMLQuantizationType.Q8_0, 4, 64, None)
     with pytest.raises(RuntimeError, match="not served"):
-        kernels.quant_linear(x, blocks, GGMLQuantizationType.Q5_0, 4, 64, None)
+        kernels.quant_linear(x, blocks, GGMLQuantizationType.Q2_K, 4, 64, None)
     with pytest.raises(RuntimeError, match="x must be"):
         kernels.quant_linear(torch.randn(1, 32), blocks, GGMLQuantizationType.Q4_1, 4, 64, None)

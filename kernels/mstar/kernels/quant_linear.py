@@ -10,7 +10,9 @@ rows (prompt chunks), where the arithmetic outweighs the bytes, dequantize the w
 scratch copy in x's dtype and take torch's GEMM (see the constant for the measurement).
 
 Types: ggml's ids (``gguf.GGMLQuantizationType``), the ones files users have: Q8_0, Q4_0, Q4_1
-(the default model), Q4_K, Q5_K, Q6_K (Q4_K_M / Q5_K_M files mix them).
+(the default model), Q4_K, Q5_K, Q6_K (Q4_K_M / Q5_K_M files mix them), and Q5_0 / Q5_1, which
+llama.cpp stores instead of Q4_K / Q5_K where a row is not whole 256-value super-blocks (Gemma 3
+270M's width 640, SmolLM2's 576).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from torch import nn
 #: the types served here (their block sizes: ``gguf.GGML_QUANT_SIZES``, which the C++ side,
 #: `csrc/quant_gemm.cpp`, checks again on every call)
 SERVED = tuple(
-    GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    GGMLQuantizationType[name]
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 )
 
 #: Batches from this many rows dequantize the weight and run torch's GEMM instead of the integer

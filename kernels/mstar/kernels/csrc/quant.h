@@ -9,7 +9,16 @@
 
 namespace mstar_cpu {
 
-enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QuantType : int64_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14
+};
 
 // Elements and bytes of one block of `type` (32 or 256 elements); 0 for a type not served here.
 int64_t quant_block_elems(int64_t type);

@@ -11,8 +11,8 @@ namespace {
 void check_quant_weight(const torch::Tensor& blocks, int64_t type, int64_t n, int64_t k,
                         const char* op) {
   const int64_t elems = mstar_cpu::quant_block_elems(type);
-  TORCH_CHECK(elems > 0, op, ": quantization type ", type,
-              " is not served (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: 2, 3, 8, 12, 13, 14)");
+  TORCH_CHECK(elems > 0, op, ": quantization type ", type, " is not served (Q4_0, Q4_1, Q5_0, ",
+              "Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: 2, 3, 6, 7, 8, 12, 13, 14)");
   TORCH_CHECK(n > 0 && k > 0 && k % elems == 0, op, ": k must be a positive multiple of ", elems,
               " for type ", type, " (got n ", n, ", k ", k, ")");
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() &&

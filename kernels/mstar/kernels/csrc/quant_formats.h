@@ -77,6 +77,19 @@ inline int decode_block(int64_t type, const uint8_t* b, Group* g) {
       set_scale(*g, d, type == kQ4_0 ? 0.0f : half_at(b + 2));
       return 1;
     }
+    case kQ5_0:
+    case kQ5_1: {  // d (, m), 32 fifth bits, nibbles
+      const float d = half_at(b);
+      const uint8_t* qh = b + (type == kQ5_0 ? 2 : 4);
+      const uint8_t* qs = qh + 4;
+      const int sub = type == kQ5_0 ? 16 : 0;
+      for (int l = 0; l < 32; ++l) {
+        const int nib = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
+        g->q[l] = static_cast<int8_t>((nib | (((qh[l / 8] >> (l % 8)) & 1) << 4)) - sub);
+      }
+      set_scale(*g, d, type == kQ5_0 ? 0.0f : half_at(b + 2));
+      return 1;
+    }
     case kQ4_K:
     case kQ5_K: {
       const float d = half_at(b), dmin = half_at(b + 2);

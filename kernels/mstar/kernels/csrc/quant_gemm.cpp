@@ -1,4 +1,5 @@
-// GEMM over GGUF block-quantized weights, read as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+// GEMM over GGUF block-quantized weights, read as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+// Q5_K, Q6_K).
 // A decode step's linears read each weight once for a few rows, so bytes read are the time: a
 // Q4 weight is ~0.28x of bf16's bytes. As llama.cpp's ggml-cpu does, each call quantizes x's
 // rows to 8 bits per group of 32 values (one float scale each, and the scaled sum of each half,
@@ -81,6 +82,8 @@ RowsKernel scalar_kernel(int64_t type) {
     case kQ8_0: return scalar_rows<kQ8_0>;
     case kQ4_0: return scalar_rows<kQ4_0>;
     case kQ4_1: return scalar_rows<kQ4_1>;
+    case kQ5_0: return scalar_rows<kQ5_0>;
+    case kQ5_1: return scalar_rows<kQ5_1>;
     case kQ4_K: return scalar_rows<kQ4_K>;
     case kQ5_K: return scalar_rows<kQ5_K>;
     case kQ6_K: return scalar_rows<kQ6_K>;
@@ -129,7 +132,7 @@ void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds, float* 
 
 int64_t quant_block_elems(int64_t type) {
   switch (type) {
-    case kQ8_0: case kQ4_0: case kQ4_1: return 32;
+    case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: return 32;
     case kQ4_K: case kQ5_K: case kQ6_K: return 256;
     default: return 0;
   }
@@ -140,6 +143,8 @@ int64_t quant_block_bytes(int64_t type) {
     case kQ8_0: return 34;
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -213,6 +218,8 @@ void (*dequant_for(int64_t type))(const uint8_t*, int64_t, float*, float*, T*) {
     case kQ8_0: return dequant_scalar<kQ8_0, T>;
     case kQ4_0: return dequant_scalar<kQ4_0, T>;
     case kQ4_1: return dequant_scalar<kQ4_1, T>;
+    case kQ5_0: return dequant_scalar<kQ5_0, T>;
+    case kQ5_1: return dequant_scalar<kQ5_1, T>;
     case kQ4_K: return dequant_scalar<kQ4_K, T>;
     case kQ5_K: return dequant_scalar<kQ5_K, T>;
     case kQ6_K: return dequant_scalar<kQ6_K, T>;

@@ -42,7 +42,7 @@ inline __m256i bit16(__m256i qh, int bit) {
 // half-groups' m in one vector). The K-quants call fa for their even groups and fb for the odd
 // ones (two accumulator chains: one alone waits an FMA's latency per group); the 32-value types
 // call fa, and the caller alternates the two per block. kOffset: the offset that is a constant
-// times the scale (Q4_0: -8 s, Q6_K: -32 s), which dequantization subtracts from q instead, as
+// times the scale (Q4_0: -8 s, Q5_0: -16 s, Q6_K: -32 s), which dequantization subtracts from q instead, as
 // ggml does (s * (q - 32) and s * q - 32 s round differently).
 struct Q8_0 {
   static constexpr int64_t kBytes = 34, kGroups = 1, kOffset = 0;
@@ -71,6 +71,30 @@ struct Q4_1 {
     const float d = half_at(b), m = half_at(b + 2);
     f(g, nibbles16(b + 4), d, d);
     f.min1(g, m);
+  }
+};
+// 16 where bit j of the 32 bits at p is set, else 0, for each byte j (Q5_0 / Q5_1's fifth bits).
+inline __m256i bits32(const uint8_t* p) {
+  uint32_t h;
+  std::memcpy(&h, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(h)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                       3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(16));
+}
+template <bool kOne>
+struct Q5 {  // Q5_0: w = d (q - 16); Q5_1: w = d q + m
+  static constexpr int64_t kBytes = kOne ? 24 : 22, kGroups = 1, kOffset = kOne ? 0 : 16;
+  static constexpr bool kSigned = false, kTwo = false;
+  template <class F>
+  static void visit(const uint8_t* b, int64_t g, F& f, F&) {
+    const float d = half_at(b);
+    const uint8_t* qh = b + (kOne ? 4 : 2);
+    f(g, _mm256_or_si256(nibbles16(qh + 4), bits32(qh)), d, d);
+    f.min1(g, kOne ? half_at(b + 2) : -16.0f * d);
   }
 };
 template <bool kFive>
@@ -206,6 +230,8 @@ inline RowsKernel rows_kernel(int64_t type) {
     case kQ8_0: return rows_of<Q8_0>;
     case kQ4_0: return rows_of<Q4_0>;
     case kQ4_1: return rows_of<Q4_1>;
+    case kQ5_0: return rows_of<Q5<false>>;
+    case kQ5_1: return rows_of<Q5<true>>;
     case kQ4_K: return rows_of<QK45<false>>;
     case kQ5_K: return rows_of<QK45<true>>;
     case kQ6_K: return rows_of<Q6_K>;
@@ -272,6 +298,8 @@ DequantRow<T> dequant_kernel(int64_t type) {
     case kQ8_0: return dequant_row<Q8_0, T>;
     case kQ4_0: return dequant_row<Q4_0, T>;
     case kQ4_1: return dequant_row<Q4_1, T>;
+    case kQ5_0: return dequant_row<Q5<false>, T>;
+    case kQ5_1: return dequant_row<Q5<true>, T>;
     case kQ4_K: return dequant_row<QK45<false>, T>;
     case kQ5_K: return dequant_row<QK45<true>, T>;
     case kQ6_K: return dequant_row<Q6_K, T>;
