@@ -1,8 +1,8 @@
 """GGUF block-quantized GEMM (`cpu_kernels.quant_linear`, `QuantLinear`) at every ISA level the
 CPU runs, per type, against the ``gguf`` package's own dequantization.
 
-Weights of the types ``gguf`` can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) come from its ``quantize`` of a
-random float matrix; for the K-quants (it only dequantizes those) every byte of every block is
+Weights of the types ``gguf`` can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) come from its
+``quantize`` of a random float matrix; for the K-quants (it only dequantizes those) every byte of every block is
 random except the float16 super-block scales (``d``, and ``dmin`` for Q4_K / Q5_K), written as
 finite positive values, so every 6-bit scale and min, nibble and high bit pattern occurs.
 
