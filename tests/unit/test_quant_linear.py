@@ -2,9 +2,10 @@
 CPU runs, per type, against the ``gguf`` package's own dequantization.
 
 Weights of the types ``gguf`` can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) come from its
-``quantize`` of a random float matrix; for the K-quants (it only dequantizes those) every byte of every block is
-random except the float16 super-block scales (``d``, and ``dmin`` for Q4_K / Q5_K), written as
-finite positive values, so every 6-bit scale and min, nibble and high bit pattern occurs.
+``quantize`` of a random float matrix; for the K-quants (it only dequantizes those) every byte
+of every block is random except the float16 super-block scales (``d``, and ``dmin`` for Q4_K /
+Q5_K), written as finite positive values, so every 6-bit scale and min, nibble and high bit
+pattern occurs.
 
 Three references: the kernels' dequantization equals ``gguf.quants.dequantize`` bit for bit;
 the product equals, within float32 summation error, x quantized to 8 bits per 32 values the
