@@ -24,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from mstar.engine.model.gguf_quant import read_stored
-from mstar.kernels import cpu_kernels
+from mstar.kernels import cpu_kernels, quant_linear
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.quant_linear import SERVED, QuantLinear
 
@@ -120,12 +119,19 @@ def time_step(linears: list[tuple[str, Layer, int]], rows: int, repeat: int) -> 
     return best
 
 
+def estimate(linears: list[tuple[str, Layer, int]], best: dict[str, float]) -> float:
+    """A step's linears as the sum of each shape's best time (a loaded machine seldom gives one
+    pass without a stall: the best whole pass overstates)."""
+    return sum(best[shape] for shape in {s for s, _, _ in linears})
+
+
 def gemv_table(models: dict[str, list[tuple[str, Layer, int]]], repeat: int) -> None:
     print("\nbatch-1 GEMV per call (us) and bytes/s per shape; the whole step's linears")
     print("\n| weights | " + " | ".join(SHAPES) + " | step linears ms | bytes/step MB | GB/s |")
     print("|---|" + "---:|" * (len(SHAPES) + 3))
     for label, linears in models.items():
         t = time_step(linears, 1, repeat)
+        t["total"] = estimate(linears, t)
         total_bytes = sum(b for _, _, b in linears)
         cells = []
         for shape in SHAPES:
@@ -144,28 +150,24 @@ def gemv_table(models: dict[str, list[tuple[str, Layer, int]]], repeat: int) -> 
 
 
 def row_sweep(linears: list[tuple[str, Layer, int]], repeat: int) -> None:
-    """The file's layer linears (no LM head) at each row count: integer kernel vs the
-    dequantized weight through F.linear (what `QuantLinear` does past DEQUANT_MIN_ROWS)."""
-    layers = [(s, q, b) for s, q, b in linears if s != "lm_head"]
-    print("\n| rows | integer kernel ms | dequantize + F.linear ms |")
+    """The file's layer linears (no LM head) at each row count, through `QuantLinear` with its
+    row limit moved: the integer kernel against the dequantized weight's GEMM."""
+    layers = [item for item in linears if item[0] != "lm_head"]
+    print("\n| rows | integer kernel ms | dequantize + GEMM ms |")
     print("|---:|---:|---:|")
-    for rows in (1, 8, 16, 24, 32, 48, 64, 128):
-        kern = [(s, _kernel_call(q), b) for s, q, b in layers]
-        deq = [(s, _dequant_call(q), b) for s, q, b in layers]
-        a, b = time_step(kern, rows, repeat)["total"], time_step(deq, rows, repeat)["total"]
-        print(f"| {rows} | {a * 1e3:.2f} | {b * 1e3:.2f} |")
-
-
-def _kernel_call(q: Layer) -> Layer:
-    assert isinstance(q, QuantLinear)
-    return lambda x: q.kernels.quant_linear(
-        x, q.blocks, q.qtype, q.out_features, q.in_features, None
-    )
-
-
-def _dequant_call(q: Layer) -> Layer:
-    assert isinstance(q, QuantLinear)
-    return lambda x: F.linear(x, q.dequantize(x.dtype))
+    saved = quant_linear.DEQUANT_MIN_ROWS
+    try:
+        for rows in (1, 4, 8, 12, 16, 24, 32, 64, 128):
+            quant_linear.DEQUANT_MIN_ROWS = rows + 1
+            kernel = time_step(layers, rows, repeat)
+            quant_linear.DEQUANT_MIN_ROWS = 0
+            dequant = time_step(layers, rows, repeat)
+            print(
+                f"| {rows} | {estimate(layers, kernel) * 1e3:.2f} | "
+                f"{estimate(layers, dequant) * 1e3:.2f} |"
+            )
+    finally:
+        quant_linear.DEQUANT_MIN_ROWS = saved
 
 
 def llama_bench(folder: str, path: Path, repeat: int) -> None:

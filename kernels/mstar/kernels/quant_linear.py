@@ -5,9 +5,9 @@ copy, a Q8_0 one 0.53x. The weight stays in the GGUF file's blocks (ggml's layou
 ``in_features / block`` whole blocks per output), and `cpu_kernels`' ``quant_linear``
 multiplies them as they are: x's rows are quantized to 8 bits per 32 values once per call and
 each group's dot product is an integer one (AVX2 ``VPMADDUBSW``, AVX512-VNNI ``VPDPBUSD``; plain
-C++ on the x86-64 baseline), as llama.cpp's CPU backend does. Batches past `DEQUANT_MIN_ROWS`
+C++ on the x86-64 baseline), as llama.cpp's CPU backend does. Batches from `DEQUANT_MIN_ROWS`
 rows (prompt chunks), where the arithmetic outweighs the bytes, dequantize the weight into a
-scratch copy in x's dtype and take torch's GEMM (see the constant for the measurement).
+scratch copy in x's dtype and take torch's GEMM (float32 where oneDNN has no bf16 GEMM: AVX2).
 
 Types: ggml's ids (``gguf.GGMLQuantizationType``), the ones files users have: Q8_0, Q4_0, Q4_1
 (the default model), Q4_K, Q5_K, Q6_K (Q4_K_M / Q5_K_M files mix them), and Q5_0 / Q5_1, which
@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
+
+from mstar.kernels import cpu_isa
 
 #: the types served here (their block sizes: ``gguf.GGML_QUANT_SIZES``, which the C++ side,
 #: `csrc/quant_gemm.cpp`, checks again on every call)
@@ -88,6 +90,7 @@ class QuantLinear(nn.Module):
         self.in_features = in_features
         self.out_features = int(blocks.shape[0])
         self.kernels = kernels
+        self.onednn_bf16 = cpu_isa.planning_features().onednn_bf16
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
@@ -105,7 +108,11 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None = self.bias
         if bias is not None:
             bias = bias.to(x.dtype)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS:
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and x.dtype == torch.bfloat16 and not self.onednn_bf16:
+            # no bf16 GEMM in oneDNN here (AVX2): float32 product, rounded to bf16 once
+            f32_bias = None if bias is None else bias.float()
+            y = F.linear(x2.float(), self.dequantize(torch.float32), f32_bias).to(x.dtype)
+        elif x2.shape[0] >= DEQUANT_MIN_ROWS:
             y = F.linear(x2, self.dequantize(x.dtype), bias)
         else:
             y = self.kernels.quant_linear(
