@@ -101,24 +101,22 @@ class QuantLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        bias: torch.Tensor | None = self.bias
-        if bias is not None:
+        flat = x.dim() == 2 and x.stride(-1) == 1  # a decode step's [T, K]: used as is
+        x2 = x if flat else x.reshape(-1, self.in_features).contiguous()
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS and x.dtype == torch.bfloat16 and not self.onednn_bf16:
-            # no bf16 GEMM in oneDNN here (AVX2): float32 product, rounded to bf16 once
-            f32_bias = None if bias is None else bias.float()
-            y = F.linear(x2.float(), self.dequantize(torch.float32), f32_bias).to(x.dtype)
-        elif x2.shape[0] >= DEQUANT_MIN_ROWS:
-            y = F.linear(x2, self.dequantize(x.dtype), bias)
-        else:
+        if x2.shape[0] < DEQUANT_MIN_ROWS:
             y = self.kernels.quant_linear(
                 x2, self.blocks, self.qtype, self.out_features, self.in_features, bias
             )
-        return y.reshape(*lead, self.out_features)
+        elif x.dtype == torch.bfloat16 and not self.onednn_bf16:
+            # no bf16 GEMM in oneDNN here (AVX2): float32 product, rounded to bf16 once
+            f32_bias = None if bias is None else bias.float()
+            y = F.linear(x2.float(), self.dequantize(torch.float32), f32_bias).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantize(x.dtype), bias)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         name = GGMLQuantizationType(self.qtype).name
