@@ -39,9 +39,14 @@ SHAPES = {
     "k/v": (192, 576),
     "gate/up": (1536, 576),
     "down": (576, 1536),
+    "qkv": (960, 576),
+    "gate+up": (3072, 576),
     "lm_head": (49152, 576),
 }
 PER_LAYER = ["q/o", "k/v", "k/v", "q/o", "gate/up", "gate/up", "down"]
+#: the same layer as the decoder runs it: Q, K, V as one projection, gate and up as one (a
+#: quantized weight's rows are whole blocks, so stacking two of one type is exact)
+FUSED_LAYER = ["qkv", "q/o", "gate+up", "down"]
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -52,31 +57,28 @@ def model_file() -> Path | None:
     return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"), None)
 
 
-def step_plan() -> list[str]:
-    return [shape for _ in range(LAYERS) for shape in PER_LAYER] + ["lm_head"]
+def step_plan(per_layer: list[str]) -> list[str]:
+    return [shape for _ in range(LAYERS) for shape in per_layer] + ["lm_head"]
 
 
-def file_linears(path: Path, kernels: object) -> list[tuple[str, Layer, int]]:
-    """The file's linears in step order: (shape name, layer, stored bytes)."""
+def file_linears(path: Path, kernels: object, fused: bool) -> list[tuple[str, Layer, int]]:
+    """The file's linears in step order: (shape name, layer, stored bytes); ``fused``: QKV and
+    gate/up stacked as the decoder fuses them."""
     by_name = {t.name: t for t in read_stored(path)}
-    names = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    mods = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    mods += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    groups = [[0, 1, 2], [3], [4, 5], [6]] if fused else [[i] for i in range(7)]
     out: list[tuple[str, Layer, int]] = []
     for i in range(LAYERS):
-        mods = [f"self_attn.{n}" for n in names] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
-        for shape, mod in zip(PER_LAYER, mods, strict=True):
-            t = by_name[f"model.layers.{i}.{mod}.weight"]
-            blocks = torch.from_numpy(np.array(t.data))
-            out.append(
-                (shape, QuantLinear(blocks, t.qtype, t.shape[1], kernels=kernels), t.data.nbytes)
-            )
+        for shape, group in zip(FUSED_LAYER if fused else PER_LAYER, groups, strict=True):
+            parts = [by_name[f"model.layers.{i}.{mods[j]}.weight"] for j in group]
+            blocks = torch.from_numpy(np.concatenate([t.data for t in parts]))
+            layer = QuantLinear(blocks, parts[0].qtype, parts[0].shape[1], kernels=kernels)
+            out.append((shape, layer, blocks.numel()))
     head = by_name["model.embed_tokens.weight"]
     blocks = torch.from_numpy(np.array(head.data))
     out.append(
-        (
-            "lm_head",
-            QuantLinear(blocks, head.qtype, head.shape[1], kernels=kernels),
-            head.data.nbytes,
-        )
+        ("lm_head", QuantLinear(blocks, head.qtype, head.shape[1], kernels=kernels), blocks.numel())
     )
     return out
 
@@ -85,7 +87,7 @@ def synthetic_linears(qtype: GGMLQuantizationType, kernels: object) -> list[tupl
     """Every linear whose inputs are whole blocks of ``qtype`` (K-quants: only ``down``)."""
     block, size = GGML_QUANT_SIZES[qtype]
     out: list[tuple[str, Layer, int]] = []
-    for shape in step_plan():
+    for shape in step_plan(PER_LAYER):
         n, k = SHAPES[shape]
         if k % block == 0:
             blocks = torch.zeros(n, k // block * size, dtype=torch.uint8)
@@ -93,9 +95,9 @@ def synthetic_linears(qtype: GGMLQuantizationType, kernels: object) -> list[tupl
     return out
 
 
-def bf16_linears(kernels: object) -> list[tuple[str, Layer, int]]:
+def bf16_linears(kernels: object, per_layer: list[str]) -> list[tuple[str, Layer, int]]:
     out: list[tuple[str, Layer, int]] = []
-    for shape in step_plan():
+    for shape in step_plan(per_layer):
         n, k = SHAPES[shape]
         linear = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
         out.append((shape, PackedLinear(linear, kernels=kernels), n * k * 2))
@@ -208,13 +210,15 @@ def main() -> None:
     path = model_file()
     models: dict[str, list[tuple[str, Layer, int]]] = {}
     if path is not None:
-        models[f"file {path.name} (Q4_1, head Q8_0)"] = file_linears(path, kernels)
+        models["the Q4_1 file (head Q8_0)"] = file_linears(path, kernels, fused=False)
+        models["the Q4_1 file, fused"] = file_linears(path, kernels, fused=True)
     for qtype in SERVED:
         models[qtype.name] = synthetic_linears(qtype, kernels)
-    models["bf16 PackedLinear"] = bf16_linears(kernels)
+    models["bf16 PackedLinear"] = bf16_linears(kernels, PER_LAYER)
+    models["bf16 PackedLinear, fused"] = bf16_linears(kernels, FUSED_LAYER)
     gemv_table(models, args.repeat)
     if path is not None:
-        row_sweep(models[next(iter(models))], args.repeat)
+        row_sweep(models["the Q4_1 file, fused"], args.repeat)
         if args.llama_bench:
             llama_bench(args.llama_bench, path, args.repeat)
 
