@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from mstar.kernels import cpu_isa, cpu_kernels
-from mstar.kernels.quant_linear import DEQUANT_MIN_ROWS, SERVED, QuantLinear, row_bytes
+from mstar.kernels.quant_linear import SERVED, QuantLinear, row_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,14 +124,14 @@ def test_quant_layer_forward_few_and_many_rows(kernels, name):
         torch.from_numpy(blocks), GGMLQuantizationType[name], k, bias, kernels=kernels
     )
     w = torch.from_numpy(gguf_weight(blocks, name))
-    for shape in [(1, k), (2, 3, k), (DEQUANT_MIN_ROWS + 5, k)]:
+    for shape in [(1, k), (2, 3, k), (layer.dequant_min_rows + 5, k)]:
         x = torch.randn(*shape)
         y = layer(x)
         assert y.shape == (*shape[:-1], n)
         ref = F.linear(x, w, bias)
         tol = 2e-2 * (x.abs() @ w.abs().T).amax()
         assert (y - ref).abs().amax() <= tol
-    many = torch.randn(DEQUANT_MIN_ROWS, k, dtype=torch.bfloat16)
+    many = torch.randn(layer.dequant_min_rows, k, dtype=torch.bfloat16)
     if cpu_isa.planning_features().onednn_bf16:
         want = F.linear(many, w.to(torch.bfloat16), bias.to(torch.bfloat16))
     else:  # AVX2: oneDNN has no bf16 GEMM; a float32 product rounded once

@@ -34,8 +34,12 @@ SERVED = tuple(
 )
 
 #: Batches from this many rows dequantize the weight and run torch's GEMM instead of the integer
-#: kernel (set from `bench/bench_quant.py`'s row sweep; see the kernels README).
+#: kernel where oneDNN has a bf16 GEMM (AVX-512), and from `DEQUANT_MIN_ROWS_AVX2` where it
+#: has none (the float32 GEMM). `bench/bench_quant.py`'s row sweep over the Q4_1 file's layers,
+#: bf16 x, 2-core Zen 4: integer 24.1 / 31.8 ms against 24.4 / 26.7 at 12 / 16 rows (avx512-bf16);
+#: 75.7 / 149 against 77.9 / 110 at 32 / 64 rows (x86-64-v3, oneDNN capped at AVX2).
 DEQUANT_MIN_ROWS = 16
+DEQUANT_MIN_ROWS_AVX2 = 48
 
 
 def served(qtype: int) -> bool:
@@ -100,13 +104,18 @@ class QuantLinear(nn.Module):
         self.kernels.quant_dequantize_(self.blocks, self.qtype, out)
         return out
 
+    @property
+    def dequant_min_rows(self) -> int:
+        """Rows from which a batch takes the dequantized weight's GEMM."""
+        return DEQUANT_MIN_ROWS if self.onednn_bf16 else DEQUANT_MIN_ROWS_AVX2
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2 and x.stride(-1) == 1  # a decode step's [T, K]: used as is
         x2 = x if flat else x.reshape(-1, self.in_features).contiguous()
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        if x2.shape[0] < DEQUANT_MIN_ROWS:
+        if x2.shape[0] < self.dequant_min_rows:
             y = self.kernels.quant_linear(
                 x2, self.blocks, self.qtype, self.out_features, self.in_features, bias
             )
