@@ -186,7 +186,7 @@ def test_each_wrapper_waits_only_for_its_own_last_plan(log: Log) -> None:
     assert "wait" not in log.events
     fi.plan(*decode_rows([14, 6]), **SHAPE)
     assert fi.staging("decode").waits == 1 and fi.staging("prefill").waits == 0
-    assert fi._wrapper is fi._decode
+    assert fi._wrappers[0] is fi._decode
 
 
 def test_wrappers_use_fa2_and_one_workspace_sized_from_the_model(log: Log) -> None:
