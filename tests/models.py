@@ -37,9 +37,9 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, object]]] = {
         "Phi3Config",
         "Phi3ForCausalLM",
         {
-            # LongRoPE over a 48-token pretraining length: generation crosses it (long table)
-            "max_position_embeddings": 192,
-            "original_max_position_embeddings": 48,
+            # LongRoPE over a 32-token pretraining length: generation crosses it (long table)
+            "max_position_embeddings": 128,
+            "original_max_position_embeddings": 32,
             "rope_scaling": {
                 "type": "longrope",
                 "short_factor": [1.0 + 0.1 * i for i in range(8)],
