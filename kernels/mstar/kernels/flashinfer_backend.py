@@ -293,7 +293,7 @@ class FlashInferPagedAttention:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         wrapper = self._wrappers.get(window)
         if wrapper is None:
-            raise RuntimeError(f"FlashInfer run before a plan for window {window}")
+            raise RuntimeError(f"FlashInfer run before plan (of window {window})")
         self.runs += 1
         out: torch.Tensor = wrapper.run(q, kv_layer)
         return out

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.decoder import Decoder, fused_decode_refusal
+from mstar.engine.model.gguf_convert import gguf_folder
 from mstar.engine.model.layers import RMSNorm
 from mstar.engine.model.linear import DenseLinearMethod, ShapeMismatch
 from mstar.engine.model.registry import family_named
@@ -174,7 +175,8 @@ def load_model(
     max_positions: int | None = None,
     deterministic: bool = False,
 ) -> tuple[Decoder, ModelConfig, Tokenizer]:
-    """Load a Hugging Face folder of a registered family -> (decoder, config, tokenizer).
+    """Load a Hugging Face folder (or a ``.gguf`` file) of a registered family ->
+    (decoder, config, tokenizer).
 
     ``deterministic`` (CPU): batch-invariant GEMMs and norms (`pack_linears_`, `Decoder`).
 
@@ -182,6 +184,8 @@ def load_model(
     architecture.
     """
     folder = Path(path).expanduser()
+    if folder.suffix == ".gguf" and folder.is_file():
+        folder = gguf_folder(folder)  # converted once into the cache, then loaded from there
     if not folder.exists():
         raise ModelLoadError(f"model path does not exist: {folder}")
     if not folder.is_dir():
