@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from greedy_compare import assert_close_until_near_tie, drive
 from live_server import LiveServer, make_engine
 from models import TINY_VOCAB, build_tiny_model, hf_greedy
 
@@ -23,6 +24,7 @@ from mstar.engine.model.decoder import fused_decode_refusal
 from mstar.engine.model.registry import family_named
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.sampling_params import SamplingParams
+from mstar.kernels import cpu_kernels
 
 NEW_TOKENS = 14
 FAMILIES = ("qwen3", "mistral", "gemma3", "phi3")
@@ -75,6 +77,26 @@ def test_server_greedy_matches_transformers(family_case) -> None:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 text = json.loads(resp.read())["choices"][0]["text"]
             assert text.split() == tokenizer.decode(tokens).split(), family
+
+
+def test_bf16_kernels_stay_close_to_torch_ops(family_case, monkeypatch) -> None:
+    """bf16 on the C++ kernels (windowed decode, q/k norms, Gemma's float32 norms) against
+    the same model on torch's ops: equal up to a rounding near-tie (`greedy_compare`)."""
+    _, folder, prompts, _ = family_case
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        reference = make_engine(folder, dtype="bfloat16")
+        assert reference.decoder.cpu_kernels is None
+        ref = drive(reference, prompts, params)
+    finally:
+        monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+        cpu_kernels.load.cache_clear()
+    engine = make_engine(folder, dtype="bfloat16")
+    got = drive(engine, prompts, params, tag="k")
+    compared, _ = assert_close_until_near_tie(ref, got)
+    assert compared >= len(prompts)
 
 
 @pytest.mark.parametrize(
