@@ -8,10 +8,8 @@ there transformers and the engine both rotate each new token with the long table
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -69,13 +67,7 @@ def test_server_greedy_matches_transformers(family_case) -> None:
         for prompt, tokens in zip(prompts[:3], expected[:3], strict=True):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS,
                     "temperature": 0, "ignore_eos": True}  # fmt: skip
-            req = urllib.request.Request(
-                server.url + "/v1/completions",
-                json.dumps(body).encode(),
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                text = json.loads(resp.read())["choices"][0]["text"]
+            text = server.post("/v1/completions", body)["choices"][0]["text"]
             assert text.split() == tokenizer.decode(tokens).split(), family
 
 

@@ -5,8 +5,6 @@ its plain completions are coherent."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,11 +43,5 @@ def test_served_completion_is_coherent(engine) -> None:
     """The server adds Gemma's BOS to a completion prompt, as transformers and vLLM do."""
     with LiveServer(engine) as server:
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
-        req = urllib.request.Request(
-            server.url + "/v1/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            text = json.loads(resp.read())["choices"][0]["text"]
+        text = server.post("/v1/completions", body)["choices"][0]["text"]
     assert "100 degrees" in text, text
