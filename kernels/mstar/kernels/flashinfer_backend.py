@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from mstar.kernels.flashinfer_workspace import workspace_bytes
-from mstar.kernels.paged_attention import validate_plan
+from mstar.kernels.paged_layout import validate_plan
 from mstar.kernels.plan_staging import Event, HostPlan, PlanStaging
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
