@@ -109,12 +109,18 @@ def _load_layer(
     model: Decoder, reader: _WeightReader, i: int, names: list[str], local: str
 ) -> None:
     """One decoder parameter of layer ``i`` from its checkpoint tensors: a projection through
-    its linear method, a norm through `RMSNorm.load_`."""
+    its linear method (whatever parameters that method's module holds), a norm through
+    `RMSNorm.load_`; what the config does not have (a bias, a q/k norm) is skipped."""
     module_name, _, kind = local.rpartition(".")
     full = f"layers.{i}.{module_name}"
+    spec = model.linears.specs.get(full)
+    if spec is None and getattr(model.layers[i], module_name, None) is None:
+        return
+    if spec is not None and kind == "bias" and not spec.bias:
+        return
     module = model.get_submodule(full)
     try:
-        if full in model.linears.specs:
+        if spec is not None:
             model.linears.method(full).load(module, kind, [reader.get(n) for n in names])
         elif isinstance(module, RMSNorm):
             (name,) = names
@@ -161,8 +167,7 @@ def build_decoder(
             _copy(params["lm_head.weight"], reader.get("lm_head.weight"), "lm_head.weight")
         for i in range(cfg.num_layers):
             for local, tensors in names(i):
-                if f"layers.{i}.{local}" in params:
-                    _load_layer(model, reader, i, tensors, local)
+                _load_layer(model, reader, i, tensors, local)
     model.eval()
     return model
 
@@ -178,7 +183,7 @@ def load_model(
     """Load a Hugging Face folder (or a ``.gguf`` file) of a registered family ->
     (decoder, config, tokenizer).
 
-    ``deterministic`` (CPU): batch-invariant GEMMs and norms (`pack_linears_`, `Decoder`).
+    ``deterministic`` (CPU): batch-invariant GEMMs and norms (`DenseLinearMethod`, `Decoder`).
 
     Raises ``ModelLoadError`` naming the missing path, file or tensor, or the unsupported
     architecture.
