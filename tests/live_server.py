@@ -124,6 +124,14 @@ class LiveServer:
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
 
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+        """POST a JSON body; the decoded JSON answer (an HTTP error raises)."""
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         status, text = self.get("/metrics")
         assert status == 200

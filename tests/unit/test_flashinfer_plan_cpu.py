@@ -73,6 +73,7 @@ def fake_flashinfer(log: Log) -> types.ModuleType:
             log.planned.append((host, [a.clone() for a in host]))
             log.events.append(f"plan {self.kind}")
             self.args = list(args)
+            self.plan_kw = kw
             # As FlashInfer's kv_lens buffer: grown when a step has more rows, rewritten by
             # every plan after (an inference tensor here would refuse that write).
             rows = args[0].numel()
@@ -186,7 +187,7 @@ def test_each_wrapper_waits_only_for_its_own_last_plan(log: Log) -> None:
     assert "wait" not in log.events
     fi.plan(*decode_rows([14, 6]), **SHAPE)
     assert fi.staging("decode").waits == 1 and fi.staging("prefill").waits == 0
-    assert fi._wrapper is fi._decode
+    assert fi._wrappers[0] is fi._decode
 
 
 def test_wrappers_use_fa2_and_one_workspace_sized_from_the_model(log: Log) -> None:
@@ -250,3 +251,26 @@ def test_plan_rejects_malformed_layouts_and_run_checks_rows(log: Log) -> None:
 def test_float32_is_refused() -> None:
     with pytest.raises(ValueError, match=r"no torch\.float32 kernels"):
         FlashInferPagedAttention("cpu", torch.float32, num_sms=1)
+
+
+def test_sliding_windows_plan_wrappers_of_their_own_with_the_model_scale(log: Log) -> None:
+    """Each window gets its (prefill, decode) pair over the shared workspace, planned with
+    FlashInfer's ``window_left`` (keys before the query's own) and the model's scale; a layer
+    runs on its window's wrapper; CUDA-graph decode refuses windows."""
+    fi = backend(log)
+    graph = fi.graph_decode(2, 16)
+    fi.plan(*prefill_chunk(0, 12), **SHAPE, sm_scale=0.1, windows=frozenset({0, 8}))
+    full, windowed = fi._wrappers[0], fi._wrappers[8]
+    assert full is fi._prefill and windowed is not full and windowed.kind == "prefill"
+    assert full.plan_kw["window_left"] == -1 and windowed.plan_kw["window_left"] == 7
+    assert full.plan_kw["sm_scale"] == windowed.plan_kw["sm_scale"] == 0.1
+    assert windowed.workspace is fi._prefill.workspace
+    q = torch.ones(12, 8, 64)
+    assert fi.run(q, torch.zeros(1), 8).shape == q.shape
+    with pytest.raises(RuntimeError, match="window 4"):
+        fi.run(q, torch.zeros(1), 4)
+    fi.plan(*decode_rows([13]), **SHAPE, windows=frozenset({8}))
+    assert fi._wrappers[8].kind == "decode" and fi._wrappers[8] is not fi._decode
+    assert fi._wrappers[0] is fi._decode
+    with pytest.raises(ValueError, match="sliding-window"):
+        graph.plan(*decode_rows([5, 5]), **SHAPE, windows=frozenset({8}))

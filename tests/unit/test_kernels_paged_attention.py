@@ -37,18 +37,21 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def reference(q, k, v, causal=True):
-    """Dense attention for one sequence: q [Q,Hq,D] are the last Q of k/v [L,Hkv,D]."""
+def reference(q, k, v, causal=True, window=0, scale=None):
+    """Dense attention for one sequence: q [Q,Hq,D] are the last Q of k/v [L,Hkv,D];
+    ``window``: each query sees its last ``window`` keys (its own included)."""
     qn, hq, d = q.shape
     length, hkv, _ = k.shape
     g = hq // hkv
     kk = k.double().repeat_interleave(g, dim=1)  # [L, Hq, D]
     vv = v.double().repeat_interleave(g, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) / math.sqrt(d)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * (scale or 1 / math.sqrt(d))
+    qpos = torch.arange(length - qn, length)[:, None]
+    kpos = torch.arange(length)[None, :]
     if causal:
-        qpos = torch.arange(length - qn, length)[:, None]
-        kpos = torch.arange(length)[None, :]
         scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    if window:
+        scores = scores.masked_fill(kpos <= qpos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
@@ -166,6 +169,28 @@ def test_torch_paged_matches_dense_reference(page_size, hq, hkv, specs, use_kern
     for (k, v), (_, q_len) in zip(dense, specs, strict=True):
         ref = reference(q[start : start + q_len], k, v)
         torch.testing.assert_close(out[start : start + q_len].double(), ref, atol=1e-5, rtol=1e-5)
+        start += q_len
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("page_size,hq,hkv,specs", CASES[:3])
+def test_sliding_window_matches_dense_reference(page_size, hq, hkv, specs, window, use_kernels):
+    """A sliding-window layer (and a model's own softmax scale) on every path: decode rows,
+    prompt chunks after cached keys, whole prompts; windows inside a page and across pages."""
+    d, scale = 16, 0.3
+    pool, dense, q, plan = build_case(2, page_size, hq, hkv, d, specs)
+    backend = TorchPagedAttention(use_kernels=use_kernels)
+    backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
+                 sm_scale=scale)  # fmt: skip
+    full = backend.run(q, pool)  # a full layer of the same step is unaffected
+    out = backend.run(q, pool, window)
+    start = 0
+    for (k, v), (_, q_len) in zip(dense, specs, strict=True):
+        rows = slice(start, start + q_len)
+        ref = reference(q[rows], k, v, window=window, scale=scale)
+        torch.testing.assert_close(out[rows].double(), ref, atol=1e-5, rtol=1e-5)
+        ref_full = reference(q[rows], k, v, scale=scale)
+        torch.testing.assert_close(full[rows].double(), ref_full, atol=1e-5, rtol=1e-5)
         start += q_len
 
 

@@ -15,11 +15,19 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from models import randomize_
 from mstar_model_testutil import PagedPool
 from tiny_checkpoints import randomize_qkv_bias_
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from mstar.engine.model import ModelLoadError, load_model
 from mstar.engine.model import gguf_convert as gc
@@ -80,6 +88,9 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0):
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen3":  # q/k norms: random, so a lost or misnamed one changes the logits
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // heads))
+        randomize_(model, seed)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
         randomize_qkv_bias_(model)
@@ -114,6 +125,8 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0):
         "mlp.down_proj": "ffn_down",
         "input_layernorm": "attn_norm",
         "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
     }
     for name, p in model.state_dict().items():
         arr = p.detach().float().numpy().copy()
@@ -139,7 +152,7 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0):
     return model, tok
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_converted_tiny_gguf_matches_transformers(tmp_path, family):
     hf, hf_tok = write_tiny_gguf(tmp_path / "tiny.gguf", family)
     target = gc.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")

@@ -250,7 +250,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(ModelLoadError, match="unsupported rope_scaling type 'yarn'"):
+    with pytest.raises(ModelLoadError, match="unsupported rope_scaling type 'dynamic'"):
         ModelConfig.from_dict(
             {
                 "architectures": ["LlamaForCausalLM"],
@@ -259,7 +259,7 @@ def test_unsupported_rope_type():
                 "num_hidden_layers": 1,
                 "num_attention_heads": 2,
                 "intermediate_size": 8,
-                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+                "rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
             }
         )
 

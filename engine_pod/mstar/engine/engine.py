@@ -122,6 +122,8 @@ class LLMEngine:
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
             sink_page=self.kv.arena.sink_page,
+            sm_scale=model_config.attn_scale,
+            layer_windows=model_config.layer_windows,
         )
         self.runner = StepRunner(
             {

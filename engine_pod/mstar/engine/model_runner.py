@@ -84,7 +84,12 @@ class ModelRunner:
         ``capture=False`` (tests) builds the same buckets, slots and padded static buffers but
         runs them eagerly instead of recording graphs.
         """
-        backend = getattr(self.runner.resources[ATTN], "backend", None)
+        attention = self.runner.resources[ATTN]
+        backend = getattr(attention, "backend", None)
+        if getattr(attention, "windows", ()) and self.device.type == "cuda" and not enforce_eager:
+            # FlashInfer's graph decode wrapper is planned without a window.
+            log.info("CUDA graphs off (sliding-window layers): every step runs eager")
+            return "sliding-window layers"
         why = graphs_off_reason(
             enforce_eager=enforce_eager,
             sizes=sizes,

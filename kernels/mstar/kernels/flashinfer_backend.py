@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from mstar.kernels.flashinfer_workspace import workspace_bytes
-from mstar.kernels.paged_attention import validate_plan
+from mstar.kernels.paged_layout import validate_plan
 from mstar.kernels.plan_staging import Event, HostPlan, PlanStaging
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -136,11 +136,15 @@ class FlashInferPagedAttention:
         self._graph_max_bs = 0
         self._prefill: Any = None
         self._decode: Any = None
+        #: sliding window -> its own (prefill, decode) wrappers over the shared workspace
+        #: (FlashInfer takes the window at plan time); window 0 is the pair above
+        self._windowed: dict[int, tuple[Any, Any]] = {}
         self._staging = {
             "prefill": PlanStaging(self.device, new_event),
             "decode": PlanStaging(self.device, new_event),
         }
-        self._wrapper: Any = None
+        #: this step's planned wrapper per window (0: full layers)
+        self._wrappers: dict[int, Any] = {}
         self._num_tokens = 0
         #: Device copy of the step's page indices, reused (grown, never shrunk) step to step.
         self._indices = torch.zeros(1024, dtype=torch.int32, device=self.device)
@@ -198,17 +202,62 @@ class FlashInferPagedAttention:
         head_dim: int,
         page_size: int,
         causal: bool = True,
+        sm_scale: float | None = None,
+        windows: frozenset[int] = frozenset(),
     ) -> None:
-        """FlashInfer's plan for this step, once; every layer's ``run`` reuses it."""
+        """FlashInfer's plan for this step, once (once per sliding window in ``windows``);
+        every layer's ``run`` reuses it. ``sm_scale``: default ``head_dim ** -0.5``."""
         arrays = _checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
         self.workspace((num_qo_heads, num_kv_heads, head_dim))
         decode = _all_decode(arrays[0])
         staging = self._staging["decode" if decode else "prefill"]
         host = staging.stage(*arrays)
         indices = self._device_indices(host.kv_indices)
-        kinds = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._wrappers = {}
+        for window in windows | {0}:
+            # FlashInfer's window_left counts the keys before the query's own (-1: none).
+            options = dict(q_data_type=self.dtype, kv_data_type=self.dtype,
+                           sm_scale=sm_scale, window_left=window - 1 if window else -1)  # fmt: skip
+            prefill, dec = self._pair(window)
+            self._wrappers[window] = self._plan_one(
+                prefill, dec, decode, host, indices, options,
+                num_qo_heads, num_kv_heads, head_dim, page_size, causal,
+            )  # fmt: skip
+        staging.queued()
+        self._num_tokens = int(host.qo_indptr[-1]) if host.qo_indptr.numel() else 0
+        self.plans += 1
+
+    def _pair(self, window: int) -> tuple[Any, Any]:
+        """The (prefill, decode) wrappers of one window, made at its first plan."""
+        if not window:
+            return self._prefill, self._decode
+        if window not in self._windowed:
+            fi, ws = self.flashinfer, self._workspace
+            self._windowed[window] = (
+                fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=FA_BACKEND),
+                fi.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=True, backend=FA_BACKEND
+                ),
+            )
+        return self._windowed[window]
+
+    def _plan_one(
+        self,
+        prefill: Any,
+        dec: Any,
+        decode: bool,
+        host: HostPlan,
+        indices: torch.Tensor,
+        kinds: dict[str, Any],
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        causal: bool,
+    ) -> Any:
+        """Plan one window's wrapper for this step; returns it."""
         if decode:
-            self._decode.plan(
+            dec.plan(
                 host.kv_indptr,
                 indices,
                 host.last_page_len,
@@ -220,9 +269,9 @@ class FlashInferPagedAttention:
                 **kinds,
                 **self.plan_options,
             )
-            self._wrapper = self._decode
+            return dec
         else:
-            self._prefill.plan(
+            prefill.plan(
                 host.qo_indptr,
                 host.kv_indptr,
                 indices,
@@ -235,19 +284,18 @@ class FlashInferPagedAttention:
                 **kinds,
                 **self.plan_options,
             )
-            self._wrapper = self._prefill
-        staging.queued()
-        self._num_tokens = int(host.qo_indptr[-1]) if host.qo_indptr.numel() else 0
-        self.plans += 1
+            return prefill
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        """Attention for q [T, Hq, D] against one layer's NHD cache view."""
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """Attention for q [T, Hq, D] against one layer's NHD cache view (``window``: a
+        sliding-window layer's, planned in this step's ``windows``)."""
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
-        if self._wrapper is None:
-            raise RuntimeError("FlashInfer run before plan")
+        wrapper = self._wrappers.get(window)
+        if wrapper is None:
+            raise RuntimeError(f"FlashInfer run before plan (of window {window})")
         self.runs += 1
-        out: torch.Tensor = self._wrapper.run(q, kv_layer)
+        out: torch.Tensor = wrapper.run(q, kv_layer)
         return out
 
     def graph_decode(self, batch_size: int, max_pages: int) -> FlashInferGraphDecode:
@@ -312,7 +360,11 @@ class FlashInferGraphDecode:
         head_dim: int,
         page_size: int,
         causal: bool = True,
+        sm_scale: float | None = None,
+        windows: frozenset[int] = frozenset(),
     ) -> None:
+        if any(windows):
+            raise ValueError("CUDA-graph decode does not run sliding-window layers")
         arrays = _checked(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
         rows = arrays[1].numel() - 1
         if rows != self.batch_size or not _all_decode(arrays[0]):
@@ -336,14 +388,17 @@ class FlashInferGraphDecode:
             pos_encoding_mode="NONE",
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
+            sm_scale=sm_scale,
             **self.parent.plan_options,
         )
         self._staging.queued()
         self.plans += 1
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
         if self._wrapper is None:
             raise RuntimeError("FlashInfer graph decode run before its first plan")
+        if window:
+            raise ValueError("CUDA-graph decode does not run sliding-window layers")
         self.runs += 1
         out: torch.Tensor = self._wrapper.run(q, kv_layer)
         return out

@@ -13,6 +13,11 @@ the head-major layout the matmuls read, in one ``index_select``, and attends onc
 On CPU both groups skip the gather: `cpu_kernels.paged_decode` (one query) and
 `cpu_kernels.paged_prefill` (causal prompt chunks) read the pages in place.
 
+Sliding-window layers (``run(..., window=W)``: a query sees its last W keys, its own
+included, as transformers' masks do) take `paged_decode`'s window for decode rows; prompt rows
+of such a layer become one-query rows over their own keys (`per_query_rows`), so the window is
+one per-row bound in the same kernel, and the torch path masks it.
+
 ``deterministic`` (``--deterministic``): the two kernels sum a position's scores and values in
 different orders, so a token's numbers would depend on whether it was attended in a prompt
 chunk, a whole prompt or a decode step (recompute, prefix hits, step budgets). Every query row
@@ -29,6 +34,22 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels import cpu_kernels
+from mstar.kernels.paged_layout import (
+    KernelDecodeStep,
+    kv_lengths,
+    kv_row_ids,
+    per_query_rows,
+    validate_plan,
+)
+
+__all__ = [
+    "KernelDecodeStep",
+    "PagedAttentionBackend",
+    "TorchPagedAttention",
+    "kv_lengths",
+    "per_query_rows",
+    "validate_plan",
+]
 
 
 class PagedAttentionBackend(Protocol):
@@ -46,9 +67,14 @@ class PagedAttentionBackend(Protocol):
         head_dim: int,
         page_size: int,
         causal: bool = True,
-    ) -> None: ...
+        sm_scale: float | None = None,
+        windows: frozenset[int] = frozenset(),
+    ) -> None:
+        """``windows``: the sliding windows the step's layers will ``run`` with (a backend
+        that plans per window needs them here; 0 is a full layer)."""
+        ...
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor: ...
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor: ...
 
 
 @dataclass
@@ -57,9 +83,9 @@ class _Group:
 
     page_table: torch.Tensor  # int64 [B * pages_max] page ids (padding -> a valid page)
     kv_lens: torch.Tensor  # int64 [B] keys of each sequence
-    #: bool [B, 1, q_max, pages_max * page_size], built at first use (`_group_mask`): the
-    #: kernels never read it
-    mask: torch.Tensor | None
+    #: per window (0: none), bool [B, 1, q_max, pages_max * page_size], built at first use
+    #: (`_group_mask`): the kernels never read it
+    masks: dict[int, torch.Tensor]
     q_rows: torch.Tensor  # int64 [B * q_max] row of q feeding each padded query slot
     out_src: torch.Tensor  # int64 [n] padded slot of each real query token
     out_dst: torch.Tensor  # int64 [n] its row in the flat output
@@ -70,111 +96,10 @@ class _Group:
     pages_max: int
     #: per sequence (first query row, queries, keys), for the extend path's per-row attention
     spans: list[tuple[int, int, int]] = field(default_factory=list)
-    #: additive float32 form of ``mask`` for the one-query matmuls, built at first use
-    bias: torch.Tensor | None = None
+    #: per window, the additive float32 form of its mask for the one-query matmuls
+    biases: dict[int, torch.Tensor] = field(default_factory=dict)
     #: rows of a layer viewed as ``[-1, head_dim]`` for K then V, head-major (see `_kv_rows`)
     kv_rows: torch.Tensor | None = None
-
-
-def kv_lengths(
-    kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """Tokens in each sequence's cache: full pages plus the last page's fill."""
-    pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
-    return (pages - 1) * page_size + kv_last_page_len.to(torch.int64)
-
-
-def per_query_rows(
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_last_page_len: torch.Tensor,
-    page_size: int,
-    causal: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same attention as one one-query sequence per query row (int64 CSR arrays).
-
-    Row r of a sequence with q queries and L keys sees its first L - q + r + 1 keys (all L when
-    not causal): its own pages are the sequence's first pages up to that key.
-    """
-    qo, kvp = qo_indptr.to(torch.int64), kv_indptr.to(torch.int64)
-    q_lens = qo[1:] - qo[:-1]
-    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
-    kv_lens = kv_lengths(kvp, kv_last_page_len, page_size)[seq]
-    if causal:
-        kv_lens = kv_lens - q_lens[seq] + (torch.arange(seq.numel()) - qo[seq]) + 1
-    pages = (kv_lens + page_size - 1) // page_size
-    row_indptr = torch.zeros(seq.numel() + 1, dtype=torch.int64)
-    torch.cumsum(pages, 0, out=row_indptr[1:])
-    first = torch.repeat_interleave(kvp[seq] - row_indptr[:-1], pages)
-    indices = kv_indices.to(torch.int64)[first + torch.arange(int(row_indptr[-1]))]
-    last = kv_lens - (pages - 1) * page_size
-    return torch.arange(seq.numel() + 1), row_indptr, indices, last
-
-
-def validate_plan(
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_last_page_len: torch.Tensor,
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reject malformed plans with a message instead of silently reading wrong pages; returns
-    each sequence's queries and keys (int64, on the plan's device) for the planner to reuse.
-    One check covers every rule (a plan is checked every step); the messages come after."""
-    n = kv_last_page_len.shape[0]
-    if qo_indptr.shape[0] != n + 1 or kv_indptr.shape[0] != n + 1:
-        raise ValueError("qo_indptr and kv_indptr must have len(kv_last_page_len) + 1 entries")
-    if int(kv_indptr[-1]) > kv_indices.shape[0]:
-        raise ValueError("kv_indptr points past the end of kv_indices")
-    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
-    n_pages = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
-    last = kv_last_page_len.to(torch.int64)
-    kv_lens = kv_lengths(kv_indptr, kv_last_page_len, page_size)
-    ok = (q_lens >= 0) & (n_pages >= 1) & (last >= 1) & (last <= page_size) & (q_lens <= kv_lens)
-    if bool(ok.all()):
-        return q_lens, kv_lens
-    if bool((q_lens < 0).any()) or bool((n_pages < 1).any()):
-        raise ValueError("every sequence needs >= 0 queries and >= 1 KV page")
-    if bool(((last < 1) | (last > page_size)).any()):
-        raise ValueError(f"kv_last_page_len must be in [1, {page_size}]")
-    raise ValueError("a sequence has more queries than KV tokens (write K/V before attending)")
-
-
-@dataclass(slots=True)
-class KernelDecodeStep:
-    """A decode-only step on the C++ kernels, resolved once per step: each layer is then one
-    `cpu_kernels.write_kv` and one `cpu_kernels.paged_decode` call. The generic path (`write_kv`,
-    `TorchPagedAttention.run`) re-derives the same choice in ~15 Python checks per layer."""
-
-    kernel: Any
-    page_table: torch.Tensor
-    kv_lens: torch.Tensor
-    scale: float
-    slots: torch.Tensor
-
-    def fits(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
-    ) -> bool:
-        """The layouts the kernels read in place: one dtype, rows of whole heads."""
-        heads = cpu_kernels.heads_contiguous
-        return (
-            q.dtype == kv_layer.dtype == k.dtype == v.dtype
-            and kv_layer.is_contiguous()
-            and heads(q)
-            and heads(k)
-            and heads(v)
-        )
-
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
-    ) -> torch.Tensor:
-        """Write k/v at the step's slots, then attend q; row b of q is sequence b."""
-        self.kernel.write_kv(kv_layer, k, v, self.slots)
-        out: torch.Tensor = self.kernel.paged_decode(
-            q, kv_layer, self.page_table, self.kv_lens, self.scale
-        )
-        return out
 
 
 class TorchPagedAttention:
@@ -204,6 +129,11 @@ class TorchPagedAttention:
         self._page_size = 0
         self._scale = 1.0
         self._causal = True
+        #: the step's CSR arrays (int64, CPU), for `_rows_group`
+        self._csr: tuple[torch.Tensor, ...] = ()
+        #: every query row as a one-query sequence (sliding-window prompt rows), built at
+        #: first use in a step
+        self._rows: _Group | None = None
 
     @property
     def uses_kernels(self) -> bool:
@@ -222,8 +152,12 @@ class TorchPagedAttention:
         head_dim: int,
         page_size: int,
         causal: bool = True,
+        sm_scale: float | None = None,
+        windows: frozenset[int] = frozenset(),
     ) -> None:
-        """Build gather indices and masks for this step (int32 CPU inputs)."""
+        """Build gather indices and masks for this step (int32 CPU inputs); ``sm_scale``:
+        the softmax scale (default ``head_dim ** -0.5``); ``windows`` need no plan here (a
+        window's mask or row group is built at its first ``run``)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} not a multiple of {num_kv_heads}")
         q_lens, kv_lens = validate_plan(
@@ -247,10 +181,12 @@ class TorchPagedAttention:
         self._num_kv_heads = num_kv_heads
         self._head_dim = head_dim
         self._page_size = page_size
-        self._scale = head_dim**-0.5
+        self._scale = head_dim**-0.5 if sm_scale is None else sm_scale
         self._causal = causal
         qo = qo_indptr.to(torch.int64).cpu()
         kvp = kv_indptr.to(torch.int64).cpu()
+        self._csr = (qo, kvp, kv_indices.to(torch.int64).cpu(), kv_last_page_len.cpu())
+        self._rows = None
         self._num_tokens = int(qo[-1]) if qo.numel() else 0
         q_lens, kv_lens = q_lens.cpu(), kv_lens.cpu()
         if 0 < q_lens.shape[0] == self._num_tokens and bool((q_lens == 1).all()):
@@ -288,7 +224,7 @@ class TorchPagedAttention:
         return _Group(
             page_table=kv_indices[page_pos].reshape(-1).to(dev),
             kv_lens=kv_lens.to(dev),
-            mask=None,
+            masks={},
             q_rows=rows,
             out_src=rows,
             out_dst=rows,
@@ -299,12 +235,23 @@ class TorchPagedAttention:
             q_lens=torch.ones(batch, dtype=torch.int64, device=dev),
         )
 
-    def _group_mask(self, g: _Group) -> torch.Tensor:
-        """``g.mask``: key k visible to query r iff k < kv_len and (causally)
-        k <= kv_len - q_len + r; padded query rows see key 0 only, so their softmax stays
-        finite (they are dropped)."""
-        if g.mask is not None:
-            return g.mask
+    def _rows_group(self) -> _Group:
+        """This step's query rows, each a one-query sequence over the keys it sees."""
+        if self._rows is None:
+            qo, kvp, idx, last = self._csr
+            _, rows_kvp, rows_idx, rows_last = per_query_rows(
+                qo, kvp, idx, last, self._page_size, self._causal
+            )
+            lens = kv_lengths(rows_kvp, rows_last, self._page_size)
+            self._rows = self._decode_group(rows_kvp, rows_idx, lens)
+        return self._rows
+
+    def _group_mask(self, g: _Group, window: int = 0) -> torch.Tensor:
+        """``g.masks[window]``: key k visible to query r iff k < kv_len and (causally)
+        k <= kv_len - q_len + r, and (``window``) k > that last key - window; padded query
+        rows see key 0 only, so their softmax stays finite (they are dropped)."""
+        if window in g.masks:
+            return g.masks[window]
         dev = g.kv_lens.device
         keys = torch.arange(g.pages_max * self._page_size, device=dev)
         rows = torch.arange(g.q_max, device=dev)
@@ -314,9 +261,11 @@ class TorchPagedAttention:
             limit = (g.kv_lens - 1)[:, None].expand(g.batch, g.q_max)
         real = rows[None, :] < g.q_lens[:, None]  # [B, q_max]
         mask = (keys[None, None, :] <= limit[:, :, None]) & real[:, :, None]
+        if window:
+            mask &= keys[None, None, :] > limit[:, :, None] - window
         mask[:, :, 0] |= ~real
-        g.mask = mask.unsqueeze(1)
-        return g.mask
+        g.masks[window] = mask.unsqueeze(1)
+        return g.masks[window]
 
     def _build_group(
         self,
@@ -345,7 +294,7 @@ class TorchPagedAttention:
         return _Group(
             page_table=page_table.reshape(-1).to(dev),
             kv_lens=kv_lens.to(dev),
-            mask=None,
+            masks={},
             q_rows=q_rows.reshape(-1).to(dev),
             out_src=slot[real].to(dev),
             out_dst=q_rows[real].to(dev),
@@ -357,8 +306,9 @@ class TorchPagedAttention:
             spans=list(zip(qo[seqs].tolist(), q_lens.tolist(), kv_lens.tolist(), strict=True)),
         )
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        """Attention for q [T, Hq, D] against one layer's cache; returns [T, Hq, D]."""
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """Attention for q [T, Hq, D] against one layer's cache; returns [T, Hq, D].
+        ``window`` > 0: each query sees its last ``window`` keys only."""
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         hq, d = self._num_qo_heads, self._head_dim
@@ -373,7 +323,9 @@ class TorchPagedAttention:
         if kernel is not None and len(self._groups) == 1 and self._groups[0].q_max == 1:
             # Decode rows only: row i is sequence i, so the kernel reads q in place (a view of
             # the fused QKV rows) and its output is the answer, no gather or scatter.
-            return self._kernel_decode(kernel, self._groups[0], q, kv_layer)
+            return self._kernel_decode(kernel, self._groups[0], q, kv_layer, window)
+        if kernel is not None and window:
+            return self._kernel_decode(kernel, self._rows_group(), q, kv_layer, window)
         out = q.new_empty(q.shape)
         for g in self._groups:
             if g.q_max == 1 and kernel is not None:
@@ -391,14 +343,20 @@ class TorchPagedAttention:
             k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
             if g.q_max == 1:
                 qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
-                flat = self._decode_rows(g, qg, k.reshape(-1, length, d), v)
+                flat = self._decode_rows(g, qg, k.reshape(-1, length, d), v, window)
                 out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
                 continue
-            self._extend_rows(g, q, k, v, out)
+            self._extend_rows(g, q, k, v, out, window)
         return out
 
     def _extend_rows(
-        self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+        self,
+        g: _Group,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        window: int = 0,
     ) -> None:
         """Several queries per sequence: SDPA one sequence at a time, over its real keys only.
 
@@ -413,12 +371,12 @@ class TorchPagedAttention:
             # math path, measured 4-16x slower here than the flash kernel it picks for 4-D.
             qb = q[start : start + n].transpose(0, 1)[None]
             kb, vb = k[b : b + 1, :, :kv_len], v[b : b + 1, :, :kv_len]
-            if n == kv_len and self._causal:
+            if n == kv_len and self._causal and not window:
                 o = F.scaled_dot_product_attention(
                     qb, kb, vb, is_causal=True, scale=self._scale, enable_gqa=gqa
                 )
             else:
-                mask = self._group_mask(g)[b : b + 1, :, :n, :kv_len]
+                mask = self._group_mask(g, window)[b : b + 1, :, :n, :kv_len]
                 o = F.scaled_dot_product_attention(
                     qb, kb, vb, attn_mask=mask, scale=self._scale, enable_gqa=gqa
                 )
@@ -442,11 +400,13 @@ class TorchPagedAttention:
         return KernelDecodeStep(kernel, page_table, g.kv_lens, self._scale, slots)
 
     def _kernel_decode(
-        self, kernel: Any, g: _Group, q: torch.Tensor, kv_layer: torch.Tensor
+        self, kernel: Any, g: _Group, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0
     ) -> torch.Tensor:
         """`cpu_kernels.paged_decode` over a one-query group; q [B, Hq, D], row b = sequence b."""
         page_table = g.page_table.view(g.batch, -1)
-        out: torch.Tensor = kernel.paged_decode(q, kv_layer, page_table, g.kv_lens, self._scale)
+        out: torch.Tensor = kernel.paged_decode(
+            q, kv_layer, page_table, g.kv_lens, self._scale, window
+        )
         return out
 
     def _kernel_for(self, q: torch.Tensor, kv_layer: torch.Tensor) -> Any | None:
@@ -473,12 +433,12 @@ class TorchPagedAttention:
             kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, g.batch, hkv, length, d)
             return kv[0], kv[1]
         if g.kv_rows is None:
-            g.kv_rows = _kv_rows(g.page_table.view(g.batch, -1), self._page_size, hkv)
+            g.kv_rows = kv_row_ids(g.page_table.view(g.batch, -1), self._page_size, hkv)
         kv = kv_layer.view(-1, d).index_select(0, g.kv_rows).view(2, g.batch, hkv, length, d)
         return kv[0], kv[1]
 
     def _decode_rows(
-        self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
     ) -> torch.Tensor:
         """One query per sequence: two batched matmuls, scores and probabilities in float32.
 
@@ -493,27 +453,16 @@ class TorchPagedAttention:
         """
         hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
         group = hq // hkv
-        if g.bias is None:
-            mask = self._group_mask(g)
+        if window not in g.biases:
+            mask = self._group_mask(g, window)
             zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
             bias = zeros.masked_fill_(~mask, float("-inf")).view(g.batch, 1, 1, -1)
-            g.bias = bias.expand(g.batch, hkv, group, -1).reshape(g.batch * hkv, group, -1)
+            g.biases[window] = bias.expand(g.batch, hkv, group, -1).reshape(
+                g.batch * hkv, group, -1
+            )
         qg = q.view(g.batch * hkv, group, d).float()  # one query row: heads grouped by KV head
-        scores = torch.baddbmm(g.bias, qg, k.transpose(1, 2).float(), alpha=self._scale)
+        bias = g.biases[window]
+        scores = torch.baddbmm(bias, qg, k.transpose(1, 2).float(), alpha=self._scale)
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, v.reshape(g.batch * hkv, -1, d).float())
         return out.to(q.dtype).view(g.batch, hq, d)
-
-
-def _kv_rows(page_table: torch.Tensor, page_size: int, heads: int) -> torch.Tensor:
-    """Row ids into a ``[pages, 2, S, H, D]`` layer viewed as ``[-1, D]``, ordered [2, B, H, L].
-
-    Key ``l`` of sequence ``b`` lives in page ``page_table[b, l // S]`` at offset ``l % S``.
-    """
-    batch, pages = page_table.shape
-    dev = page_table.device
-    page = page_table.view(1, batch, 1, pages, 1)
-    plane = torch.arange(2, device=dev).view(2, 1, 1, 1, 1)
-    head = torch.arange(heads, device=dev).view(1, 1, heads, 1, 1)
-    offset = torch.arange(page_size, device=dev).view(1, 1, 1, 1, page_size)
-    return (((page * 2 + plane) * page_size + offset) * heads + head).reshape(-1)

@@ -1,4 +1,5 @@
-"""Llama-family decoder, Hugging Face checkpoint loader, tokenizer and chat template."""
+"""The model room: a registry of families, their shared layers and decoder, the checkpoint
+loader, tokenizer and chat template."""
 
 from mstar.engine.model.config import ModelConfig, ModelLoadError, RopeScaling
 from mstar.engine.model.decoder import AttentionContext, Decoder

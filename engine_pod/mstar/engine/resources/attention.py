@@ -2,7 +2,10 @@
 
 The backend (`mstar.kernels`: batched torch on CPU, FlashInfer on CUDA) is planned once per
 step; every layer then only scatters its new K/V into the paged cache and runs the planned
-kernel. The plan result is the `AttentionContext` the decoder calls per layer.
+kernel. The plan result is the `AttentionContext` the decoder calls per layer. The model's
+softmax scale and each layer's sliding window (Mistral, Gemma 3) are the resource's, given at
+construction: the backends take them at plan time (FlashInfer plans one wrapper per window)
+and each layer's window again when it runs.
 
 Under a slot lease with a CUDA-graph bucket the step is planned into that (bucket, slot)'s own
 backend and the slot's static write-slot buffer instead, padded to the bucket with rows on the
@@ -73,12 +76,20 @@ class PagedAttentionContext:
     layer makes two kernel calls and a few stride checks.
     """
 
-    __slots__ = ("backend", "cache", "decode", "write_slots")
+    __slots__ = ("backend", "cache", "decode", "windows", "write_slots")
 
-    def __init__(self, cache: KVCache, backend: Any, write_slots: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        backend: Any,
+        write_slots: torch.Tensor,
+        windows: tuple[int, ...] = (),
+    ) -> None:
         self.cache = cache
         self.backend = backend
         self.write_slots = write_slots
+        #: per layer, the keys a query sees (0: all); empty: every layer full
+        self.windows = windows
         self.decode: KernelDecodeStep | None = None
         if isinstance(backend, TorchPagedAttention):
             self.decode = backend.decode_step(write_slots, cache.tensor.dtype)
@@ -95,11 +106,12 @@ class PagedAttentionContext:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         kv_layer = self.cache.layer_view(layer_idx)
+        window = self.windows[layer_idx] if self.windows else 0
         decode = self.decode
         if decode is not None and decode.fits(q, k, v, kv_layer):
-            return decode(q, k, v, kv_layer)
+            return decode(q, k, v, kv_layer, window)
         write_kv(kv_layer, k, v, self.write_slots)
-        out: torch.Tensor = self.backend.run(q, kv_layer)
+        out: torch.Tensor = self.backend.run(q, kv_layer, window)
         return out
 
 
@@ -116,8 +128,14 @@ class AttentionResource(Resource):
         head_dim: int,
         kv_key: str = "kv",
         sink_page: int | None = None,
+        sm_scale: float | None = None,
+        layer_windows: Sequence[int] = (),
     ) -> None:
+        """``sm_scale``: the softmax scale (default ``head_dim ** -0.5``); ``layer_windows``:
+        per layer, the keys a query sees (0: all; empty: every layer full)."""
         self.cache = cache
+        self.sm_scale = sm_scale
+        self.windows = tuple(layer_windows) if any(layer_windows) else ()
         self.backend = backend
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
@@ -150,7 +168,7 @@ class AttentionResource(Resource):
         if lease is not None and lease.bucket is not None:
             return self._plan_graph(kv, lease)
         self._plan(self.backend, kv.qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len)
-        return PagedAttentionContext(self.cache, self.backend, kv.write_slots)
+        return PagedAttentionContext(self.cache, self.backend, kv.write_slots, self.windows)
 
     def _plan_graph(self, kv: KVPlan, lease: SlotLease) -> PagedAttentionContext:
         assert lease.bucket is not None and self.sink_page is not None
@@ -162,7 +180,7 @@ class AttentionResource(Resource):
         self._plan(backend, lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len)
         slots = self._slot_buffers[lease.slot].get("write_slots", bs)
         slots.copy_(lay.write_slots, non_blocking=True)
-        return PagedAttentionContext(self.cache, backend, slots)
+        return PagedAttentionContext(self.cache, backend, slots, self.windows)
 
     def _plan(
         self,
@@ -182,4 +200,6 @@ class AttentionResource(Resource):
             head_dim=self.head_dim,
             page_size=self.cache.page_size,
             causal=True,
+            sm_scale=self.sm_scale,
+            windows=frozenset(self.windows),
         )

@@ -419,9 +419,12 @@ class Generation:
 
 
 def _encode(tok: Any, text: str, param: str) -> list[int]:
-    """Tokenize prompt text; text the tokenizer cannot take is the request's fault (400)."""
+    """Tokenize prompt text; text the tokenizer cannot take is the request's fault (400).
+
+    A completion prompt gets the tokenizer's own special tokens (Gemma's BOS, as vLLM and
+    transformers add it); a chat prompt's template writes its own."""
     try:
-        return list(tok.encode(text, add_special_tokens=False))
+        return list(tok.encode(text, add_special_tokens=param == "prompt"))
     except Exception as exc:
         raise bad_request(f"Cannot tokenize the {param}: {exc}", param) from exc
 

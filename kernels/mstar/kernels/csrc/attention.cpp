@@ -156,8 +156,8 @@ void weigh_values_n(int n, const T* v0, const int64_t* off, int64_t len, const f
 // weighed with the group's accumulators in registers.
 template <typename T, int NV>
 void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* kv,
-            const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
-            int64_t hkv, int64_t page_size, int64_t max_pages, float scale) {
+            const int64_t* table, const int64_t* all_lens, T* out, int64_t batch, int64_t hq,
+            int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window) {
   constexpr int64_t dim = NV * W;
   constexpr int HT_MAX = kValueHeads<NV>;
   const int64_t group = hq / hkv;
@@ -168,10 +168,15 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
   // Sequences are handed out one at a time (their lengths differ, a static split idles a core),
   // each thread claiming its next one before attending to the current, whose rows it prefetches.
   std::atomic<int64_t> claimed{0};
+  // The keys a row attends: its last `window` (a sliding-window layer) or all of them.
+  std::vector<int64_t> lens(all_lens, all_lens + batch);
+  if (window > 0)
+    for (auto& n : lens) n = std::min(n, window);
   const auto offsets = [&](int64_t b, std::vector<int64_t>& off) {
     const int64_t* pages = table + b * max_pages;
+    const int64_t first = all_lens[b] - lens[b];
     off.resize(lens[b]);
-    for (int64_t l = 0, page = 0, slot = 0; l < lens[b]; ++l) {
+    for (int64_t l = 0, page = first / page_size, slot = first % page_size; l < lens[b]; ++l) {
       off[l] = pages[page] * 2 * plane + slot * row;
       if (++slot == page_size) slot = 0, ++page;
     }
@@ -693,9 +698,10 @@ void prefill_amx(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kv, const 
 template <typename T>
 void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
                 const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
-                int64_t hkv, int64_t page_size, int64_t max_pages, float scale) {
-#define DECODE(NV) \
-  decode<T, NV>(q, qs0, qs1, kv, table, lens, out, batch, hq, hkv, page_size, max_pages, scale)
+                int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window) {
+#define DECODE(NV)                                                                         \
+  decode<T, NV>(q, qs0, qs1, kv, table, lens, out, batch, hq, hkv, page_size, max_pages, scale, \
+                window)
   switch (dim) {
     case 16: return DECODE(16 / W);
     case 32: return DECODE(32 / W);
@@ -747,10 +753,10 @@ void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
 
 template void decode_dim<float>(int64_t, const float*, int64_t, int64_t, const float*,
                                 const int64_t*, const int64_t*, float*, int64_t, int64_t,
-                                int64_t, int64_t, int64_t, float);
+                                int64_t, int64_t, int64_t, float, int64_t);
 template void decode_dim<bf16>(int64_t, const bf16*, int64_t, int64_t, const bf16*,
                                const int64_t*, const int64_t*, bf16*, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, float);
+                               int64_t, int64_t, float, int64_t);
 template void prefill_dim<float>(int64_t, const float*, int64_t, int64_t, const float*,
                                  const int64_t*, int64_t, const int64_t*, const int64_t*,
                                  const int64_t*, int64_t, float*, int64_t, int64_t, int64_t,

@@ -60,9 +60,10 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 std::string isa_level() { return mstar_cpu::isa_level(); }
 
 // q [B, Hq, D] (heads contiguous, any batch stride); kv_layer [pages, 2, S, Hkv, D];
-// page_table int64 [B, max_pages]; kv_lens int64 [B]. Returns [B, Hq, D].
+// page_table int64 [B, max_pages]; kv_lens int64 [B]; window > 0: each row attends its last
+// `window` keys only (0: all). Returns [B, Hq, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_table,
-                           torch::Tensor kv_lens, double scale) {
+                           torch::Tensor kv_lens, double scale, int64_t window) {
   TORCH_CHECK(kv_layer.dim() == 5 && page_table.dim() == 2, "bad ranks");
   check_head_rows(q, "q");
   TORCH_CHECK(kv_layer.is_contiguous() && page_table.is_contiguous() && kv_lens.is_contiguous(),
@@ -81,7 +82,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
     using T = decltype(tag);
     mstar_cpu::decode_dim<T>(dim, q.data_ptr<T>(), q.stride(0), q.stride(1), kv_layer.data_ptr<T>(), table,
                   lens, out.data_ptr<T>(), batch, hq, hkv, page_size, page_table.size(1),
-                  static_cast<float>(scale));
+                  static_cast<float>(scale), window);
   });
   return out;
 }
@@ -416,7 +417,7 @@ std::vector<torch::Tensor> decode_layers(
     write_kv(kv_layer, qk.narrow(1, num_heads, num_kv_heads),
              fused.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim}), slots);
     const auto attn = paged_decode(qk.narrow(1, 0, num_heads), kv_layer, page_table, kv_lens,
-                                   scale);
+                                   scale, 0);
     x = small_linear(attn.view({t, q_size}), o[i], hidden, biases[4 * i + 1]);
     add_rms_norm_(x, residual, norm_post[i], eps);
     const auto act = silu_mul(small_linear(x, gate_up[i], 2 * inter, biases[4 * i + 2]));

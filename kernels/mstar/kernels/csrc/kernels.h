@@ -16,11 +16,12 @@ using bf16 = c10::BFloat16;
 const char* isa_level();
 
 // -- attention (attention.cpp) ----------------------------------------------------------------
-// Decode: q [B, Hq, D] (strides qs0, qs1), kv [pages, 2, S, Hkv, D], table [B, max_pages].
+// Decode: q [B, Hq, D] (strides qs0, qs1), kv [pages, 2, S, Hkv, D], table [B, max_pages];
+// window > 0: each row sees only its last `window` keys (sliding-window attention).
 template <typename T>
 void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
                 const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
-                int64_t hkv, int64_t page_size, int64_t max_pages, float scale);
+                int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window);
 // Causal prompt-chunk attention over the same pages; out [T, Hq, D] contiguous.
 template <typename T>
 void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,

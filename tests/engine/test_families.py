@@ -1,0 +1,106 @@
+"""Every registered family against transformers on fully random weights (norm weights and
+biases random too), float32 greedy token for token: offline through the engine (prompts
+longer than the sliding windows, chunked prefill mixed with decode) and through the server.
+
+Phi-3's prompts stay under its LongRoPE pretraining length and its generations cross it:
+there transformers and the engine both rotate each new token with the long table.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+from greedy_compare import assert_close_until_near_tie, drive
+from live_server import LiveServer, make_engine
+from models import TINY_VOCAB, build_tiny_model, hf_greedy
+
+from mstar.engine.model import ModelConfig
+from mstar.engine.model.decoder import fused_decode_refusal
+from mstar.engine.model.registry import family_named
+from mstar.engine.model.tokenizer import Tokenizer
+from mstar.engine.sampling_params import SamplingParams
+from mstar.kernels import cpu_kernels
+
+NEW_TOKENS = 14
+FAMILIES = ("qwen3", "mistral", "gemma3", "phi3")
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Lengths around and past the test models' 8-token windows (and under Phi-3's 32)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (3, 9, 17, 30, 12, 25)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, list[list[int]], list[list[int]]]:
+    family = request.param
+    folder = build_tiny_model(tmp_path_factory.mktemp(family), family)
+    prompts = _prompts(len(family))
+    return family, folder, prompts, hf_greedy(folder, prompts, NEW_TOKENS)
+
+
+def test_offline_greedy_matches_transformers(family_case, caplog) -> None:
+    family, folder, prompts, expected = family_case
+    with caplog.at_level(logging.INFO, logger="mstar.engine.model.loader"):
+        # 16-token steps: prompts arrive in chunks beside other rows' decode tokens.
+        engine = make_engine(folder, max_num_batched_tokens=16, num_pages=128)
+    assert engine.model_config.family == family
+    assert engine.generate(prompts, GREEDY) == expected
+    engine.kv.assert_pages_conserved()
+    # The log says which decode path runs, and why the fused one is off where it is.
+    why = fused_decode_refusal(engine.model_config, family_named(family).fused_decode)
+    if why is not None and engine.decoder.cpu_kernels is not None:
+        assert engine.decoder.fused_decode is None
+        assert f"fused CPU decode off ({why})" in caplog.text
+
+
+def test_server_greedy_matches_transformers(family_case) -> None:
+    family, folder, prompts, expected = family_case
+    tokenizer = Tokenizer.from_dir(folder)
+    with LiveServer(make_engine(folder)) as server:
+        for prompt, tokens in zip(prompts[:3], expected[:3], strict=True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            text = server.post("/v1/completions", body)["choices"][0]["text"]
+            assert text.split() == tokenizer.decode(tokens).split(), family
+
+
+def test_bf16_kernels_stay_close_to_torch_ops(family_case, monkeypatch) -> None:
+    """bf16 on the C++ kernels (windowed decode, q/k norms, Gemma's float32 norms) against
+    the same model on torch's ops: equal up to a rounding near-tie (`greedy_compare`)."""
+    _, folder, prompts, _ = family_case
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    cpu_kernels.load.cache_clear()
+    try:
+        reference = make_engine(folder, dtype="bfloat16")
+        assert reference.decoder.cpu_kernels is None
+        ref = drive(reference, prompts, params)
+    finally:
+        monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+        cpu_kernels.load.cache_clear()
+    engine = make_engine(folder, dtype="bfloat16")
+    got = drive(engine, prompts, params, tag="k")
+    compared, _ = assert_close_until_near_tie(ref, got)
+    assert compared >= len(prompts)
+
+
+@pytest.mark.parametrize(
+    "family,reason",
+    [
+        ("llama", None),
+        ("qwen3", "q/k norm"),
+        ("mistral", "sliding-window attention"),
+        ("gemma3", "the gemma3 layer, q/k norm, sliding-window attention"),
+    ],
+)
+def test_fused_decode_is_refused_by_name(tmp_path, family, reason) -> None:
+    cfg = ModelConfig.from_file(build_tiny_model(tmp_path, family))
+    got = fused_decode_refusal(cfg, family_named(family).fused_decode)
+    assert got == reason if reason is None else got is not None and got.startswith(reason)
