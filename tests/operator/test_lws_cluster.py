@@ -19,7 +19,15 @@ import yaml
 from lws_harness import LWS_CRD, LwsController
 from op_harness import CRS, Operator, wait_for
 from real_cluster import ControlPlane
-from test_cluster import WAIT, apply, condition, is_ready, wait_condition, wait_ready
+from test_cluster import (
+    WAIT,
+    apply,
+    condition,
+    is_ready,
+    rollout_complete,
+    wait_condition,
+    wait_ready,
+)
 
 from mstar.operator import manifests
 
@@ -194,13 +202,7 @@ def test_scale_rollout_and_deletion_act_on_groups(
         ]
         least_ready = min(least_ready, sum(is_ready(p) for p in leaders))
         groups_seen |= {p["metadata"]["labels"][GROUP_INDEX] for p in leaders}
-        cr = cp.get("msd", "tp2-cpu", namespace)
-        if (
-            cr
-            and cr["status"].get("observedGeneration") == cr["metadata"]["generation"]
-            and condition(cr, "Ready").get("status") == "True"
-            and condition(cr, "Progressing").get("reason") == "RolloutComplete"
-        ):
+        if rollout_complete(cp.get("msd", "tp2-cpu", namespace)):
             break
         time.sleep(0.2)
     else:
