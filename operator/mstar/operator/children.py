@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .autoscaling import build_hpa, build_scaled_object
 from .lws import build_leader_worker_set, lws_name
 from .manifests import (
     Child,
     build_config_map,
     build_deployment,
-    build_hpa,
     build_pdb,
-    build_scaled_object,
     build_service,
     config_map_name,
 )
