@@ -104,74 +104,62 @@ def test_without_leaderworkerset_the_cr_is_degraded_until_it_is_installed(
     assert len(engine_pods(cp, "tp2-cpu", namespace)) == 2
 
 
-def test_groups_of_gpu_pods_get_their_gpus_ranks_and_leader(
-    control_plane: ControlPlane, namespace: str, lws: LwsController
-) -> None:
-    """2 replicas x 2 pods x 2 GPUs: four pods on the GPU node in two groups, each pod with
-    the LWS environment its rank flags expand from; only leaders serve."""
-    cp = control_plane
-    assert lws.version() == "v0.9.0"
-    apply(cp, load(GPU_CR), namespace)
-    cr = wait_ready(cp, "tp4", namespace, 2)
-    group = cp.get(LWS_KIND, "tp4-lws", namespace)
-    assert group is not None
-    assert group["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
-    assert group["status"]["readyReplicas"] == 2
-
-    pods = engine_pods(cp, "tp4", namespace)
-    assert len(pods) == 4
+def check_groups(cp: ControlPlane, name: str, namespace: str, groups: int) -> list[dict[str, Any]]:
+    """Each group a leader and a worker, each pod with the LWS environment its rank flags
+    expand from; probes on leaders only. The engine pods, for further checks."""
+    pods = engine_pods(cp, name, namespace)
+    assert len(pods) == 2 * groups
     roles: dict[str, list[str]] = {}
     for pod in pods:
         labels, env = pod["metadata"]["labels"], env_of(pod)
         (container,) = pod["spec"]["containers"]
         index = labels[GROUP_INDEX]
         roles.setdefault(index, []).append(labels[manifests.ROLE_LABEL])
-        assert pod["spec"]["nodeName"] == "kwok-gpu-0"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
-        assert env["LWS_LEADER_ADDRESS"] == f"tp4-lws-{index}.tp4-lws.{namespace}"
+        assert env["LWS_LEADER_ADDRESS"] == f"{name}-lws-{index}.{name}-lws.{namespace}"
         assert env["LWS_GROUP_SIZE"] == "2"
         assert env["LWS_WORKER_INDEX"] == labels[WORKER_INDEX]
         leader = labels[manifests.ROLE_LABEL] == "leader"
         assert leader == (env["LWS_WORKER_INDEX"] == "0")
         args = " ".join(container["args"])
-        assert "--tensor-parallel-size 4 --nnodes 2" in args
-        assert "--dist-init-addr $(LWS_LEADER_ADDRESS):29500" in args
+        assert "--nnodes 2 --dist-init-addr $(LWS_LEADER_ADDRESS):29500" in args
         assert args.endswith("--node-rank $(LWS_WORKER_INDEX)")
         assert ("readinessProbe" in container) == leader
     assert {k: sorted(v) for k, v in roles.items()} == {
-        "0": ["leader", "worker"],
-        "1": ["leader", "worker"],
+        str(i): ["leader", "worker"] for i in range(groups)
     }
+    return pods
 
-    # What serves and what scales: the leaders, one per group.
+
+def test_a_group_of_gpu_pods_gets_its_gpus_ranks_and_leader(
+    control_plane: ControlPlane, namespace: str, lws: LwsController
+) -> None:
+    """One replica of 2 pods x 2 GPUs (tensor parallel 4): two pods on the GPU node, one
+    group; the Service and the scale subresource pick its leader."""
+    cp = control_plane
+    assert lws.version() == "v0.9.0"
+    doc = load(GPU_CR)
+    doc["spec"]["replicas"] = 1  # the kwok GPU node has 8 GPUs, some held by other tests
+    apply(cp, doc, namespace)
+    cr = wait_ready(cp, "tp4", namespace, 1)
+    group = cp.get(LWS_KIND, "tp4-lws", namespace)
+    assert group is not None
+    assert group["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
+    assert group["status"]["readyReplicas"] == 1
+    for pod in check_groups(cp, "tp4", namespace, 1):
+        (container,) = pod["spec"]["containers"]
+        assert pod["spec"]["nodeName"] == "kwok-gpu-0"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert "--device cuda" in " ".join(container["args"])
+        assert "--tensor-parallel-size 4" in " ".join(container["args"])
+
     selector = cr["status"]["selector"]
     service = cp.get("service", "tp4", namespace)
     assert service is not None
     assert ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items()) == selector
-    leaders = cp.items("pods", namespace, "-l", selector)
-    assert sorted(p["metadata"]["labels"][GROUP_INDEX] for p in leaders) == ["0", "1"]
-    path = f"/apis/mstar.dev/v1alpha1/namespaces/{namespace}/mstardeployments/tp4/scale"
-    scale = json.loads(cp.kubectl("get", "--raw", path).stdout)
-    assert (scale["status"]["replicas"], scale["status"]["selector"]) == (2, selector)
+    (leader,) = cp.items("pods", namespace, "-l", selector)
+    assert leader["metadata"]["labels"][WORKER_INDEX] == "0"
     headless = cp.get("service", "tp4-lws", namespace)  # LWS's, for the pods' DNS names
     assert headless is not None and headless["spec"]["clusterIP"] == "None"
-    budget = wait_for(
-        lambda: (
-            (p := cp.get("pdb", "tp4", namespace))
-            and (p.get("status") or {}).get("expectedPods") == 4
-            and p
-        ),
-        "the PDB to count the four pods",
-        WAIT,
-    )
-    assert budget["spec"]["maxUnavailable"] == 2  # one group
-    wait_for(
-        lambda: (
-            (cp.get("pdb", "tp4", namespace) or {}).get("status", {}).get("disruptionsAllowed") == 2
-        ),
-        "the PDB to allow one group's disruption",
-        WAIT,
-    )
 
 
 def test_scale_rollout_and_deletion_act_on_groups(
@@ -181,10 +169,29 @@ def test_scale_rollout_and_deletion_act_on_groups(
     apply(cp, load(CPU_CR), namespace)
     wait_ready(cp, "tp2-cpu", namespace, 1)
     cp.kubectl("scale", "msd", "tp2-cpu", "-n", namespace, "--replicas=2")
-    wait_ready(cp, "tp2-cpu", namespace, 2)
+    cr = wait_ready(cp, "tp2-cpu", namespace, 2)
     group = cp.get(LWS_KIND, "tp2-cpu-lws", namespace)
     assert group is not None and group["spec"]["replicas"] == 2
-    assert len(engine_pods(cp, "tp2-cpu", namespace)) == 4
+    check_groups(cp, "tp2-cpu", namespace, 2)
+
+    # What serves and what scales: the leaders, one per group; the budget: one group's pods.
+    selector = cr["status"]["selector"]
+    leaders = cp.items("pods", namespace, "-l", selector)
+    assert sorted(p["metadata"]["labels"][GROUP_INDEX] for p in leaders) == ["0", "1"]
+    path = f"/apis/mstar.dev/v1alpha1/namespaces/{namespace}/mstardeployments/tp2-cpu/scale"
+    scale = json.loads(cp.kubectl("get", "--raw", path).stdout)
+    assert (scale["status"]["replicas"], scale["status"]["selector"]) == (2, selector)
+    budget = wait_for(
+        lambda: (
+            (p := cp.get("pdb", "tp2-cpu", namespace))
+            and (p.get("status") or {}).get("expectedPods") == 4
+            and p["status"].get("disruptionsAllowed") == 2
+            and p
+        ),
+        "the PDB to allow one group of its four pods to go",
+        WAIT,
+    )
+    assert budget["spec"]["maxUnavailable"] == 2
 
     # A new engine setting rolls group by group: a surge group first, never fewer ready leaders.
     cp.kubectl(
