@@ -112,6 +112,14 @@ def webhook_configurations(config: Path, port: int, ca: bytes) -> list[dict[str,
     return docs
 
 
+def _established(cp: ControlPlane) -> bool:
+    crd = cp.get("crd", LWS_CRD, "default") or {}
+    return any(
+        c["type"] == "Established" and c["status"] == "True"
+        for c in (crd.get("status") or {}).get("conditions") or []
+    )
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -131,7 +139,7 @@ class LwsController:
     def start(self) -> None:
         cp = self.cp
         cp.kubectl("apply", "--server-side", "-f", str(self.config / "crds"))
-        cp.kubectl("wait", "--for=condition=Established", f"crd/{LWS_CRD}", "--timeout=60s")
+        wait_until(lambda: _established(cp), "the LWS CRD to be Established", 60)
         certs = self.workdir / "certs"
         ca = make_serving_cert(certs)
         port, health = free_port(), free_port()
