@@ -296,3 +296,18 @@ def test_a_bad_layout_is_degraded_and_creates_nothing() -> None:
     assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
     assert "tensorParallelSize (3) is not a multiple of nodesPerReplica (2)" in degraded["message"]
     assert kube.objects == {}
+
+
+def test_status_reads_the_engine_workload_not_the_pickers_deployment() -> None:
+    """A routed CR has two Deployments: the engine's and its endpoint picker's."""
+    cr = _cr(SINGLE_CR, replicas=2, router={"path": "/"})
+    kube = FakeKube(cr, serves_lws=True)
+    reconcile(kube, cr)  # type: ignore[arg-type]
+    engine = kube.objects[("Deployment", "smollm2-cpu")]
+    engine["metadata"]["generation"] = 1
+    engine["status"] = {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2}
+    engine["status"]["updatedReplicas"] = 2
+    kube.objects[("Deployment", "smollm2-cpu-epp")]["status"] = {"replicas": 1, "readyReplicas": 1}
+    reconcile(kube, kube.cr)  # type: ignore[arg-type]
+    assert (kube.cr["status"]["replicas"], kube.cr["status"]["readyReplicas"]) == (2, 2)
+    assert _condition(kube.cr, "Ready")["status"] == "True"

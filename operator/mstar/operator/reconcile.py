@@ -21,8 +21,6 @@ from .router import DEFAULT_EPP_CLUSTER_ROLE
 from .spec import KIND, InvalidSpec, MStarSpec, parse_spec
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
-#: The kinds that own the engine pods: a Deployment, or a LeaderWorkerSet for multi-pod replicas.
-WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 Event = tuple[str, str, str]  # (type: Normal|Warning, reason, message)
 
@@ -235,7 +233,7 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any], epp_cluster_role: str) -> 
             conflicts: list[KubeError | OwnershipConflict] = []
             workload_failed = False
             for child in build_children(name, namespace, uid, spec, epp_cluster_role):
-                workload = child.kind in WORKLOAD_KINDS
+                workload = (child.kind, child.name) in _workloads(name)
                 if workload and child.desired is None and workload_failed:
                     continue  # the new workload could not be made: the old one keeps serving
                 try:
@@ -280,10 +278,16 @@ def _publish_selector(
         old_status["selector"] = selector
 
 
+def _workloads(name: str) -> tuple[tuple[str, str], ...]:
+    """(kind, name) of the children that own the engine pods: the Deployment of one-pod
+    replicas, the LeaderWorkerSet of multi-pod ones (not the endpoint picker's Deployment)."""
+    return (("Deployment", name), ("LeaderWorkerSet", lws_name(name)))
+
+
 def _own_workload(kube: Kube, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
     """The live Deployment or LeaderWorkerSet this CR controls (with an invalid spec the last
     good one keeps serving)."""
-    for kind, child in (("Deployment", name), ("LeaderWorkerSet", lws_name(name))):
+    for kind, child in _workloads(name):
         live = kube.get(kind, namespace, child)
         owner = controller_of(live) if live else None
         if owner and owner.get("uid") == uid:
