@@ -66,7 +66,9 @@ def pool(
     control_plane: ControlPlane,
     tiny_llama_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[Pool]:
+    """Per module that uses it (test_epp_faults.py too), in a namespace of its own."""
     cp = control_plane
     bin_dir = tool_bin("epp")
     epp_bin = bin_dir / "epp"
@@ -79,7 +81,7 @@ def pool(
     cp.kubectl("apply", "--server-side", "-f", crds)
     cp.kubectl("wait", "--for=condition=Established",
                "crd/inferencepools.inference.networking.k8s.io")  # fmt: skip
-    namespace = "epp"
+    namespace = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
     cp.kubectl("create", "namespace", namespace)
     logs = tmp_path_factory.mktemp("epp")
     started: list[Any] = []

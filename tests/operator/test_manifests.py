@@ -279,6 +279,10 @@ def test_rollout_safety_in_the_pod_spec() -> None:
     assert hook[hook.index("--timeout-seconds") + 1] == "30.0"
     assert pod["terminationGracePeriodSeconds"] == 30 + 30 + 10
     assert container(dep)["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # A hung engine (progress-checking /health) is restarted within 15 s of going red.
+    live = container(dep)["livenessProbe"]
+    assert live["httpGet"]["path"] == "/health"
+    assert live["periodSeconds"] * live["failureThreshold"] + live["timeoutSeconds"] <= 15
 
 
 @pytest.mark.parametrize(("replicas", "pdb"), [(0, False), (1, False), (2, True), (5, True)])

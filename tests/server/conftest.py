@@ -12,6 +12,7 @@ import pytest
 from jaeger import Jaeger
 from live_server import LiveServer, add_chat_template, make_engine
 
+from mstar.engine.config import EngineConfig
 from mstar.engine.sampling_params import SamplingParams
 
 
@@ -27,6 +28,16 @@ def tiny_chat_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def server(tiny_chat_dir: Path) -> Iterator[LiveServer]:
     """One shared server for tests that do not need special settings."""
     with LiveServer(make_engine(tiny_chat_dir)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[LiveServer]:
+    """A server of the real SmolLM2 (the packaged default model), one per module."""
+    from mstar.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig(device="cpu", num_pages=512, page_size=16))
+    with LiveServer(engine) as live:
         yield live
 
 

@@ -220,11 +220,6 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice"),
     ("unknown tool_choice", {"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
     (
-        "forced tool with response_format",
-        {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-        "tool_choice",
-    ),
-    (
         "parallel_tool_calls not a bool",
         {"tools": [TOOL], "parallel_tool_calls": "yes"},
         "parallel_tool_calls",

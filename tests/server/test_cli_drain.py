@@ -41,8 +41,16 @@ def test_cli_flags_parse_into_engine_config() -> None:
 
 
 class Proc:
+    """`mstar-engine serve MODEL` on the tiny model's flags; ``program`` runs it another way
+    (tests/faults runs it through its fault launcher)."""
+
     def __init__(
-        self, log: Path, model: Path, *extra: str, env: dict[str, str] | None = None
+        self,
+        log: Path,
+        model: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        program: tuple[str, ...] = (sys.executable, "-m", "mstar.engine.cli"),
     ) -> None:
         self.port = free_port()
         self.log_path = log
@@ -51,9 +59,7 @@ class Proc:
         path = os.pathsep.join(str(ROOT / d) for d in ("engine_pod", "kernels", "operator"))
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "mstar.engine.cli",
+                *program,
                 "serve",
                 str(model),
                 "--port",

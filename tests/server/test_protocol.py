@@ -97,7 +97,8 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     (comp(logit_bias=0), "logit_bias"),
     (comp(temperature=10**400), "temperature"),
     (comp(suffix="x"), "suffix"),
-    (comp(echo=True, logprobs=1), "echo"),
+    (comp(prompt_logprobs=21), "prompt_logprobs"),
+    (comp(prompt_logprobs=True), "prompt_logprobs"),
     (comp(ignore_eos="no"), "ignore_eos"),
 ]
 
@@ -314,3 +315,16 @@ def test_engine_and_server_refuse_a_long_context_with_one_message() -> None:
         "tokens, leaving no room for a completion.",
     )
     assert context_overflow(22, 10, 32) is None
+
+
+def test_echo_with_logprobs_scores_the_prompt() -> None:
+    """lm-eval's loglikelihood body: echo + logprobs asks the engine for prompt logprobs; vLLM's
+    `prompt_logprobs` is the same request in its words (the larger k wins)."""
+    req = parse_completion_request(comp(echo=True, logprobs=1, max_tokens=1))
+    assert req.params.prompt_logprobs == 1 and not req.vllm_prompt_logprobs
+    req = parse_completion_request(comp(prompt_logprobs=3, echo=True, logprobs=1))
+    assert req.params.prompt_logprobs == 3 and req.vllm_prompt_logprobs
+    assert parse_completion_request(comp(logprobs=2)).params.prompt_logprobs is None
+    chat = {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}
+    assert parse_chat_request(chat).params.prompt_logprobs == 1
+    assert error_of(parse_chat_request, {**chat, "stream": True}).param == "stream"

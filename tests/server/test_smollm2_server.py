@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 from live_server import LiveServer
 from openai.types.chat import ChatCompletionUserMessageParam
 
-from mstar.engine.config import EngineConfig
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smol() -> Iterator[LiveServer]:
-    from mstar.engine.engine import LLMEngine
-
-    engine = LLMEngine.from_config(EngineConfig(device="cpu", num_pages=512, page_size=16))
-    with LiveServer(engine) as live:
-        yield live
 
 
 def test_chat_answers_and_streams_identically(smol: LiveServer) -> None:

@@ -9,7 +9,6 @@ mid-generation (the grammar state must survive that without re-advancing).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -121,15 +120,6 @@ def _fmt(name: str) -> Any:
         "type": "json_schema",
         "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True},
     }
-
-
-@pytest.fixture(scope="module")
-def smol() -> Iterator[LiveServer]:
-    from mstar.engine.engine import LLMEngine
-
-    engine = LLMEngine.from_config(EngineConfig(device="cpu", num_pages=512, page_size=16))
-    with LiveServer(engine) as live:
-        yield live
 
 
 def _client(live: LiveServer) -> openai.OpenAI:

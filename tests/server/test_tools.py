@@ -9,8 +9,15 @@ from typing import Any
 import jsonschema
 import pytest
 
-from mstar.engine.sampling_params import InvalidParameter
-from mstar.engine.server.tools import ToolStream, parse_output, parse_tools, template_messages
+from mstar.engine.sampling_params import GrammarSpec, InvalidParameter
+from mstar.engine.server.structured import request_grammar
+from mstar.engine.server.tools import (
+    ToolStream,
+    parse_output,
+    parse_tools,
+    reported_reason,
+    template_messages,
+)
 
 WEATHER = {
     "type": "function",
@@ -89,6 +96,10 @@ def test_forced_grammars_describe_the_declared_calls() -> None:
     jsonschema.validate([{"name": "get_time", "arguments": {}}], required)
     with pytest.raises(jsonschema.ValidationError):  # one call only without parallel calls
         jsonschema.validate([{"name": "get_time", "arguments": {}}] * 2, required)
+    # parallel_tool_calls unset: at most one call per declared tool; true: any number
+    unset = json.loads(_config("required").grammar().schema)
+    assert unset["maxItems"] == 2
+    assert "maxItems" not in json.loads(_config("required", parallel=True).grammar().schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_weather", "arguments": {}}], required)
     assert _config("auto").grammar() is None and _config("none").grammar() is None
@@ -132,3 +143,33 @@ def test_conversations_with_calls_render_for_both_kinds_of_template() -> None:
     assert hermes[0]["role"] == "system" and '"get_weather"' in hermes[0]["content"]
     assert hermes[2]["content"].startswith("<tool_call>") and "Paris" in hermes[2]["content"]
     assert hermes[3] == messages[2]
+
+
+def test_a_cut_list_of_calls_keeps_its_complete_calls() -> None:
+    """max_tokens cut the list: the complete calls come back, the cut tail is dropped and the
+    reason stays "length"."""
+    cut = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci'
+    content, calls = parse_output(_config("required"), cut)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
+    assert reported_reason(_config("required"), cut, "length") == "length"
+    auto = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><tool_call>\n{"na'
+    content, calls = parse_output(_config("auto"), auto)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
+    whole = '[{"name": "get_time", "arguments": {}}]'
+    assert reported_reason(_config("required"), whole, "stop") == "tool_calls"
+    assert reported_reason(_config("auto"), "plain words", "stop") == "stop"
+    assert reported_reason(None, whole, "stop") == "stop"
+
+
+def test_response_format_with_tools_as_openai_combines_them() -> None:
+    """Forced: the call's grammar (the format waits for a later content turn). Auto: content in
+    the format or tool calls, one grammar for both. None: the format alone."""
+    fmt = GrammarSpec.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
+    forced = request_grammar(fmt, _config("required"))
+    assert forced == _config("required").grammar()
+    auto = request_grammar(fmt, _config("auto"))
+    assert auto is not None and auto.schema == fmt.schema and auto.max_calls == 2
+    names = {a["properties"]["name"]["const"] for a in json.loads(auto.calls)["anyOf"]}
+    assert names == {"get_weather", "get_time"}
+    assert request_grammar(fmt, _config("none")) == fmt
+    assert request_grammar(None, _config("auto")) is None

@@ -7,18 +7,20 @@ import pytest
 
 from mstar.engine.step_budget import PRIOR, StepBudget, StepCostModel
 
-TRUE = (0.008, 0.0012, 0.0003)  # base, per decode row, per prompt token (seconds)
+#: base, per decode row, per prompt token, per scored prompt row (seconds)
+TRUE = (0.008, 0.0012, 0.0003, 0.0001)
 
 
-def _seconds(decode_rows: int, prompt: int) -> float:
-    return TRUE[0] + TRUE[1] * decode_rows + TRUE[2] * prompt
+def _seconds(decode_rows: int, prompt: int, scored: int = 0) -> float:
+    return TRUE[0] + TRUE[1] * decode_rows + TRUE[2] * prompt + TRUE[3] * scored
 
 
 def _fitted(steps: int = 300, seed: int = 0) -> StepCostModel:
     model, rng = StepCostModel(), random.Random(seed)
     for _ in range(steps):
         d, p = rng.randrange(0, 33), rng.choice([0, 0, 0, 64, 128, 256, 512])
-        model.observe(d, p, _seconds(d, p) * rng.uniform(0.95, 1.05))
+        s = rng.choice([0, 0, p // 2, p])
+        model.observe(d, p, _seconds(d, p, s) * rng.uniform(0.95, 1.05), s)
     return model
 
 
@@ -130,6 +132,17 @@ def test_the_budget_stays_within_its_floor_and_cap():
     budget = StepBudget(cap=256, model=_fitted())
     assert budget.tokens(0, 100, pending_prompt=100_000, head_prompt=1000) == 256
     slow = StepBudget(cap=2048, min_tokens=32)
-    slow.model.coef = (0.001, 0.0001, 0.01)  # prompt tokens so dear the bound allows ~4
+    slow.model.coef = (0.001, 0.0001, 0.01, 0.0)  # prompt tokens so dear the bound allows ~4
     assert slow.tokens(40, 1, pending_prompt=5000, head_prompt=5000) == 40 + 32
     assert budget.tokens(10, 0, pending_prompt=0, head_prompt=0) == 256
+
+
+def test_scored_prompts_get_shorter_chunks_within_the_same_stall_bound():
+    """A prompt whose tokens are all scored (`prompt_logprobs`) costs per_token + per_scored a
+    token: beside decoding streams its chunk shrinks so the step keeps the same bound."""
+    budget = StepBudget(cap=8192, model=_fitted())
+    plain = budget.tokens(16, 2, pending_prompt=2 * 1000, head_prompt=1000) - 16
+    scored = budget.tokens(16, 2, 2 * 1000, head_prompt=1000, scored_share=1.0) - 16
+    assert scored < plain
+    limit = budget.stall_factor * _seconds(16, 0) * 1.1
+    assert _seconds(16, scored, scored) <= limit

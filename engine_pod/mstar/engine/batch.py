@@ -9,10 +9,10 @@ pre-plans (`next_decode_step`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from mstar.engine.outputs import RequestError
+from mstar.engine.outputs import RequestError, TokenLogprob
 from mstar.engine.request import Request
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
 from mstar.engine.resources.kv import MAIN_LABEL
@@ -26,11 +26,14 @@ __all__ = [
     "DECODE_WALK",
     "ScheduledBatch",
     "ScheduledRow",
+    "ScoredRows",
     "StepResult",
+    "cap_scored",
     "declare_step",
     "eager_context",
     "is_batched_decode",
     "next_decode_step",
+    "prompt_scores",
 ]
 
 
@@ -39,21 +42,59 @@ class ScheduledRow(NamedTuple):
     num_tokens: int
 
 
+class ScoredRows(NamedTuple):
+    """Prompt tokens one row scores this step: the logits of the step's flat token ``flat``
+    onwards score ``targets`` (the prompt tokens that follow), with the ``top`` most likely."""
+
+    row: int
+    flat: int
+    targets: list[int]
+    top: int
+
+
 @dataclass
 class ScheduledBatch:
-    """An admitted step: its rows, the declared step, and the rows that sample a token."""
+    """An admitted step: its rows, the declared step, the rows that sample a token and the
+    prompt tokens it scores (`prompt_scores`)."""
 
     rows: list[ScheduledRow]
     step: SubmoduleStep
     sample_rows: list[int]
+    scored: list[ScoredRows] = field(default_factory=list)
 
 
 @dataclass
 class StepResult:
-    """What the model runner hands back: the sampled tokens, or the error that stopped it."""
+    """What the model runner hands back: the sampled tokens and the prompt scores (one list
+    per `ScheduledBatch.scored` entry), or the error that stopped it."""
 
     sampled: SampleOutput | None
     error: RequestError | None = None
+    prompt_scores: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+def cap_scored(req: Request, n: int, room: int) -> tuple[int, int]:
+    """``n`` tokens of ``req`` cut so the row scores at most ``room`` prompt positions; the
+    chunk and the room left after it."""
+    first, end = req.score_span(n)
+    if end - first > room:
+        n, end = first - req.num_computed + room, first + room
+    return n, room - (end - first)
+
+
+def prompt_scores(rows: list[ScheduledRow]) -> list[ScoredRows]:
+    """The prompt tokens each row scores this step (`Request.score_span`), before it runs."""
+    scored: list[ScoredRows] = []
+    flat = 0
+    for i, r in enumerate(rows):
+        req = r.request
+        first, end = req.score_span(r.num_tokens)
+        if end > first:
+            targets = req.prompt_token_ids[first + 1 : end + 1]
+            top = req.params.prompt_logprobs or 0
+            scored.append(ScoredRows(i, flat + first - req.num_computed, targets, top))
+        flat += r.num_tokens
+    return scored
 
 
 def declare_step(rows: list[ScheduledRow]) -> tuple[SubmoduleStep, list[int]]:

@@ -100,8 +100,22 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         max_waiting_requests=config.max_waiting_requests,
         engine_thread=engine_thread,
+        stall_timeout_seconds=config.stall_timeout_seconds,
+        request_timeout_seconds=config.request_timeout_seconds,
     )
-    asyncio.run(serve(app, config.host, config.port, grace_seconds=config.shutdown_grace_seconds))
+    code = asyncio.run(
+        serve(
+            app,
+            config.host,
+            config.port,
+            grace_seconds=config.shutdown_grace_seconds,
+            exit_on_engine_failure=config.exit_on_engine_failure,
+        )
+    )
+    if code != 0:
+        # The engine died or hangs: a hung engine thread may never let the interpreter finish.
+        logging.shutdown()
+        os._exit(code)
     return 0
 
 

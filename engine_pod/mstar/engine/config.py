@@ -129,6 +129,31 @@ class EngineConfig:
     shutdown_grace_seconds: float = field(
         default=30.0, metadata=_flag("On SIGTERM, how long in-flight requests may finish.")
     )
+    stall_timeout_seconds: float = field(
+        default=30.0,
+        metadata=_flag(
+            "The engine counts as hung when requests are pending and no step has moved any for "
+            "the larger of this and 4 x the slowest step seen: /health and /ready answer 503 "
+            "with the reason, in-flight requests end with an error and (with "
+            "--exit-on-engine-failure) the server exits 1. 0 disables the check."
+        ),
+    )
+    exit_on_engine_failure: bool = field(
+        default=True,
+        metadata=_flag(
+            "Exit with status 1 within seconds when the engine loop dies or hangs (its requests "
+            "already failed), so the pod restarts; --no-exit-on-engine-failure keeps the server "
+            "up answering 503."
+        ),
+    )
+    request_timeout_seconds: float = field(
+        default=1800.0,
+        metadata=_flag(
+            "Every request's deadline, from arrival to its last byte; a body's 'timeout' "
+            "(seconds) may shorten it. Past it the request ends with an error (504, or an error "
+            "event and [DONE] in a stream) and its pages are freed. 0: no server-wide bound."
+        ),
+    )
     seed: int = field(default=0, metadata=_flag("Seed of the sampler's default generator."))
     deterministic: bool = field(
         default=False,
@@ -195,6 +220,9 @@ class EngineConfig:
             problems.append("--host-offload-gb must be >= 0")
         if self.max_waiting_requests < 1:
             problems.append("--max-waiting-requests must be >= 1")
+        for name in ("stall_timeout_seconds", "request_timeout_seconds"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{_dash(name)} must be >= 0")
         if any(bs < 1 for bs in self.cuda_graph_batch_sizes):
             problems.append("--cuda-graph-batch-sizes must all be >= 1")
         problems += self._parallel_problems()

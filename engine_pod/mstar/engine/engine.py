@@ -84,6 +84,9 @@ class LLMEngine:
         self.dtype = dtype
         self.model_name = model_name
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        #: Steps that ran a batch, ever: a step that only held its requests moved nothing (the
+        #: server's liveness check tells the two apart).
+        self.executed_steps = 0
 
         self.kv = KVCacheResource(
             KVConfig(
@@ -235,6 +238,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return self.scheduler.update(None, None)
+        self.executed_steps += 1
         start = time.perf_counter()
         result = self.model_runner.execute(batch)
         self.scheduler.observe_cost(batch, time.perf_counter() - start)

@@ -44,7 +44,8 @@ from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
 from mstar.engine.resources.host_copy import to_device
 from mstar.engine.resources.kv.plan import build_plan
 from mstar.engine.resources.runner import StepRunner
-from mstar.engine.resources.sampling import SampleOutput, SamplerResource
+from mstar.engine.resources.sampling import SamplerResource
+from mstar.engine.resources.sampling.prompt_logprobs import score_prompt_rows
 from mstar.engine.resources.step import (
     ResourceStep,
     SlotLease,
@@ -136,7 +137,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one admitted step; an exception becomes a typed internal error for its rows."""
         try:
-            return StepResult(self._forward(batch))
+            return self._forward(batch)
         except Exception:
             log.exception("step failed; its requests are failed")
             self.runner.clear_preplan()
@@ -144,7 +145,7 @@ class ModelRunner:
                 None, RequestError(ErrorKind.INTERNAL, "internal error while running the model")
             )
 
-    def _forward(self, batch: ScheduledBatch) -> SampleOutput | None:
+    def _forward(self, batch: ScheduledBatch) -> StepResult:
         plans = self.runner.plan(batch.step)
         lease = batch.step.ctx.slot_lease
         if lease is not None:
@@ -158,13 +159,21 @@ class ModelRunner:
                 logits = self.graphs.run(lease, input_ids, plans[ROPE], plans[ATTN])
             else:
                 ends = plans[KV].qo_indptr[1:].tolist()
-                index = to_device([ends[i] - 1 for i in batch.sample_rows], torch.long, self.device)
+                rows = [ends[i] - 1 for i in batch.sample_rows]
+                # Scored prompt positions get logits too, after the sampled rows.
+                rows += [s.flat + j for s in batch.scored for j in range(len(s.targets))]
+                index = to_device(rows, torch.long, self.device)
                 logits = self.decoder(input_ids, plans[ROPE], plans[ATTN], index)
             # The forward is queued on the device: plan the next step meanwhile.
             self._preplan_next(batch)
-            if not batch.sample_rows:
-                return None
-            return self.sampler.sample(plans[SAMPLER], logits)
+            n = len(batch.sample_rows)
+            scores = []
+            if batch.scored:  # never a graph step (a batched decode scores nothing)
+                groups = [s.targets for s in batch.scored]
+                scores = score_prompt_rows(logits[n:], groups, [s.top for s in batch.scored])
+                logits = logits[:n]
+            sampled = self.sampler.sample(plans[SAMPLER], logits) if n else None
+            return StepResult(sampled, prompt_scores=scores)
 
     def _preplan_next(self, batch: ScheduledBatch) -> None:
         if not self.preplan:

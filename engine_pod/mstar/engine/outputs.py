@@ -50,6 +50,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    #: 1 + how many tokens are more likely (vLLM's `rank`); set for prompt tokens only.
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class RequestOutput:
     #: Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
     events: list[EngineEvent] = field(default_factory=list)
+    #: With `SamplingParams.prompt_logprobs`: the prompt's tokens 1.. scored (the first token
+    #: has no context), delivered once, with the output that follows the last prefill step.
+    prompt_logprobs: list[TokenLogprob] | None = None
     #: Monotonic times: arrival, first scheduled, first token, finish (None until they happen).
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

@@ -72,6 +72,11 @@ class Request:
     pending_events: list[EngineEvent] = field(default_factory=list)
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Scores of prompt tokens 1..len (`SamplingParams.prompt_logprobs`), in order: a prefill
+    #: step scores the positions past the last one scored, so a recomputed prefill (after an
+    #: eviction) scores nothing twice.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    _prompt_logprobs_sent: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -97,6 +102,34 @@ class Request:
         """The next `num_tokens` tokens the cache does not hold yet."""
         start = self.num_computed
         return self._tokens[start : start + num_tokens]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt tokens are still to be scored (their positions must run, not be matched)."""
+        wanted = self.params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    def score_span(self, num_tokens: int) -> tuple[int, int]:
+        """Positions ``[first, end)`` of the next ``num_tokens`` computed whose logits score a
+        prompt token (position p scores token p + 1); empty when none do."""
+        if not self.scores_prompt:
+            return 0, 0
+        first = max(self.num_computed, len(self.prompt_logprobs))
+        end = min(self.num_computed + num_tokens, len(self.prompt_token_ids) - 1)
+        return first, max(first, end)
+
+    def num_scored(self, num_tokens: int) -> int:
+        """How many prompt positions the next ``num_tokens`` computed would score."""
+        first, end = self.score_span(num_tokens)
+        return end - first
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        if self.params.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return None
+        if self.scores_prompt and not self.finished:
+            return None
+        self._prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +167,7 @@ class Request:
             num_output_tokens=self.num_output_tokens,
             num_cached_tokens=self.num_cached_tokens,
             events=self.pending_events,
+            prompt_logprobs=self._take_prompt_logprobs(),
             arrival_time=self.arrival_time,
             first_scheduled_time=self.first_scheduled_time,
             first_token_time=self.first_token_time,

@@ -62,6 +62,11 @@ class GrammarSpec:
     #: Objects take no properties the schema does not name (OpenAI's `strict`); otherwise
     #: JSON-schema semantics (`additionalProperties` defaults to allowed).
     strict: bool = True
+    #: Tool calls as the alternative (`tool_choice` auto with a `response_format`): the JSON
+    #: schema of one call; the output is then either the content above or 1..`max_calls`
+    #: ``<tool_call>`` blocks each holding one call.
+    calls: str = ""
+    max_calls: int = 1
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
@@ -109,6 +114,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    #: Score the prompt: each prompt token's logprob and the k most likely at its position
+    #: (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`). None: not scored.
+    prompt_logprobs: int | None = None
     #: EOS and `stop_token_ids` are not drawn before this many output tokens (a grammar, which
     #: decides itself where the output ends, is not overridden).
     min_tokens: int = 0
@@ -145,6 +153,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise InvalidParameter(
                 "logprobs", f"logprobs must be between 0 and {self.MAX_LOGPROBS}"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS:
+            raise InvalidParameter(
+                "prompt_logprobs", f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}"
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative")

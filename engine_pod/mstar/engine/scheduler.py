@@ -38,9 +38,11 @@ from mstar.engine.batch import (
     ScheduledBatch,
     ScheduledRow,
     StepResult,
+    cap_scored,
     declare_step,
     eager_context,
     is_batched_decode,
+    prompt_scores,
 )
 from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.request import Request, RequestStatus
@@ -48,7 +50,6 @@ from mstar.engine.resources.kv import KVCacheResource
 from mstar.engine.resources.kv.capacity import KVCapacity
 from mstar.engine.resources.refusals import reason_name
 from mstar.engine.resources.runner import StepRunner
-from mstar.engine.resources.sampling import SampleOutput
 from mstar.engine.resources.step import (
     AdmitRuntimeError,
     AllocationFailed,
@@ -62,6 +63,11 @@ from mstar.engine.step_budget import StepBudget
 #: Builds a step's context from its request ids and whether it is a batched decode.
 MakeContext = Callable[[list[str], bool], StepContext]
 
+
+#: Most prompt positions one step scores (`prompt_logprobs`): their logits rows are held at
+#: once (512 x 49,152 x 4 bytes = 100 MB for SmolLM2 in float32), so a scored prefill is
+#: chunked to this many scored positions a step.
+MAX_SCORED_ROWS = 512
 
 #: Longest a step that runs nothing waits for an in-flight KV copy before scheduling again.
 COPY_WAIT_SECONDS = 0.01
@@ -171,7 +177,7 @@ class Scheduler:
                         r.request.protected_until = now + self.config.hold_seconds
                     if r.request.first_scheduled_time is None:
                         r.request.first_scheduled_time = now
-                return ScheduledBatch(rows, step, sample_rows)
+                return ScheduledBatch(rows, step, sample_rows, prompt_scores(rows))
             rows = self._answer(outcome, rows, now)
         # Nothing runs: if that is because rows wait on copies, wait for one to land here.
         # Returning at once made the engine loop spin on refusals, taking the KV lock the
@@ -194,7 +200,7 @@ class Scheduler:
         """This step's token budget: fixed, or from the measured step costs (`StepBudget`)."""
         if self.step_budget is None:
             return self.config.max_num_batched_tokens
-        decode_rows = prompts = pending = head = 0
+        decode_rows = prompts = pending = head = scored = 0
         for req in self.running:
             n = req.num_uncomputed
             if req.hold_until > now or n <= 0:
@@ -205,37 +211,42 @@ class Scheduler:
                 prompts += 1
                 pending += n
                 head = head or n
+                scored += req.num_scored(n)
         if not self.offloaded:
             for req in itertools.islice(self.waiting, self.config.max_num_seqs):
                 prompts += 1
                 pending += req.num_uncomputed
                 head = head or req.num_uncomputed
+                scored += req.num_scored(req.num_uncomputed)
         # A wave: prompts reaching an idle engine, and those that arrive before its last prompt
         # is prefilled (a client's batch lands over a few steps, not in one).
         if pending == 0:
             self._wave = False
         elif decode_rows == 0:
             self._wave = True
-        return self.step_budget.tokens(decode_rows, prompts, pending, head, self._wave)
+        share = scored / pending if pending else 0.0
+        return self.step_budget.tokens(decode_rows, prompts, pending, head, self._wave, share)
 
     def observe_cost(self, batch: ScheduledBatch, seconds: float) -> None:
         """Feed an executed step's time to the adaptive budget's cost model."""
         if self.step_budget is not None:
             decode_rows = sum(1 for r in batch.rows if r.num_tokens == 1)
             prompt = sum(r.num_tokens for r in batch.rows if r.num_tokens > 1)
-            self.step_budget.observe(decode_rows, prompt, seconds)
+            scored = sum(len(s.targets) for s in batch.scored)
+            self.step_budget.observe(decode_rows, prompt, seconds, scored)
 
     def _pick_rows(self, now: float) -> list[ScheduledRow]:
         cfg = self.config
         rows: list[ScheduledRow] = []
         budget = self._budget(now)
         available = self.kv.room() - self._watermark
+        score_room = MAX_SCORED_ROWS
         for req in self.running:
             if len(rows) >= cfg.max_num_seqs or budget <= 0:
                 return rows
             if req.hold_until > now:
                 continue
-            n = min(req.num_uncomputed, budget)
+            n, score_room = cap_scored(req, min(req.num_uncomputed, budget), score_room)
             if n <= 0:
                 continue
             rows.append(ScheduledRow(req, n))
@@ -253,15 +264,20 @@ class Scheduler:
             if need > available and need <= self.kv.num_pages and (rows or self.running):
                 break
             self._match_prefix(req)
-            n = min(req.num_uncomputed, budget)
+            n, score_room = cap_scored(req, min(req.num_uncomputed, budget), score_room)
+            if n <= 0:
+                self._unmatch(req)
+                break
             rows.append(ScheduledRow(req, n))
             budget -= n
             available -= need
         return rows
 
     def _match_prefix(self, req: Request) -> None:
-        """Reuse cached prefix pages for a request about to (re)prefill."""
-        if req.num_computed == 0:
+        """Reuse cached prefix pages for a request about to (re)prefill. One that scores its
+        prompt reads none (as in vLLM): each scored position must run to have logits, so its
+        whole prompt is prefilled (its pages still join the index for later requests)."""
+        if req.num_computed == 0 and not req.scores_prompt:
             matched = self.kv.match_prefix(req.request_id, req.token_ids)
             req.num_computed = matched
             req.num_cached_tokens = max(req.num_cached_tokens, matched)
@@ -414,17 +430,20 @@ class Scheduler:
                 for r in batch.rows:
                     self._finish(r.request, FinishReason.ERROR, result.error)
             else:
-                self._commit(batch, result.sampled)
+                self._commit(batch, result)
         return self._collect_outputs()
 
-    def _commit(self, batch: ScheduledBatch, sampled: SampleOutput | None) -> None:
+    def _commit(self, batch: ScheduledBatch, result: StepResult) -> None:
         self.runner.commit(batch.step)
         kv, step_index = self.kv, self.step_index
+        for scored, scores in zip(batch.scored, result.prompt_scores, strict=True):
+            batch.rows[scored.row].request.prompt_logprobs.extend(scores)
         for r in batch.rows:
             req = r.request
             req.num_computed = kv.stored_len(req.request_id)
             req.last_active_step = step_index
             self._touched[req.request_id] = req
+        sampled = result.sampled
         if sampled is None:
             return
         done = time.monotonic()
@@ -505,4 +524,4 @@ class Scheduler:
         return outputs
 
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerCounters"]
+__all__ = ["MAX_SCORED_ROWS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]

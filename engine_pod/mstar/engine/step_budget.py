@@ -3,8 +3,11 @@
 A step's time is close to linear in its work (weights streamed once, then per-row compute):
 
     seconds ~ base + per_decode * decode_rows + per_prompt * prompt_tokens
+              + per_scored * scored_rows
 
-`StepCostModel` fits those three numbers online from the steps the engine runs (exponentially
+(a scored row is a prompt position whose logits are computed to score the next prompt token,
+`SamplingParams.prompt_logprobs`: one more LM-head row and its log-softmax.)
+`StepCostModel` fits those four numbers online from the steps the engine runs (exponentially
 weighted least squares, pulled toward the previous estimate so a run of same-shaped steps cannot
 make it singular). `StepBudget` turns the fit into the next step's token budget:
 
@@ -39,6 +42,8 @@ make it singular). `StepBudget` turns the fit into the next step's token budget:
   often, smaller ones let the queue's head start sooner. The oldest prompt goes whole when the
   bound lets it, and in a burst (as many requests waiting as decoding) even when it does not:
   one request's first token a step sooner beats every waiting prompt advancing a little.
+- A prompt that is scored costs ``per_prompt + per_scored`` a token: the budget gives the
+  pending prompts' share of scored tokens that price, so a scored chunk is shorter.
 - Never fewer than ``min_tokens`` prompt tokens (prompts always progress), never above the cap
   (``--max-num-batched-tokens``).
 """
@@ -52,34 +57,38 @@ import numpy as np
 
 #: Starting guess (seconds): refined after the first few steps; only its order of magnitude
 #: matters (SmolLM2 bf16 on 2 Zen 5 cores: ~8 ms base, ~1.2 ms a decode row, ~0.85 ms a prompt
-#: token).
-PRIOR = (0.010, 0.0005, 0.0005)
+#: token; a scored row: LM head and log-softmax, ~a fifth of a token's FLOPs).
+PRIOR = (0.010, 0.0005, 0.0005, 0.0001)
 
 
 @dataclass
 class StepCostModel:
-    """Online fit of ``seconds ~ base + per_decode * decode_rows + per_prompt * prompt_tokens``."""
+    """Online fit of ``seconds ~ base + per_decode * decode_rows + per_prompt * prompt_tokens
+    + per_scored * scored_rows``."""
 
     #: Weight kept by past steps at each new one (an effective memory of ~1/(1-decay) steps).
     decay: float = 0.97
     #: Pull toward the previous estimate, in steps' worth of weight (keeps the solve regular).
     anchor: float = 0.5
-    coef: tuple[float, float, float] = PRIOR
+    coef: tuple[float, float, float, float] = PRIOR
     steps: int = 0
-    _xx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    _xy: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    _xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    _xy: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _weight: float = 0.0
 
-    def predict(self, decode_rows: int, prompt_tokens: int) -> float:
-        base, per_decode, per_prompt = self.coef
-        return base + per_decode * decode_rows + per_prompt * prompt_tokens
+    def predict(self, decode_rows: int, prompt_tokens: int, scored_rows: int = 0) -> float:
+        base, per_decode, per_prompt, per_scored = self.coef
+        prompt = per_prompt * prompt_tokens + per_scored * scored_rows
+        return base + per_decode * decode_rows + prompt
 
-    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+    def observe(
+        self, decode_rows: int, prompt_tokens: int, seconds: float, scored_rows: int = 0
+    ) -> None:
         """Add one executed step. A step several times slower than predicted (a first call of a
         new GEMM shape, the host busy elsewhere) is clipped so one outlier cannot swing the fit."""
         if self.steps >= 8:
-            seconds = min(seconds, 2.0 * self.predict(decode_rows, prompt_tokens))
-        x = np.array([1.0, decode_rows, prompt_tokens])
+            seconds = min(seconds, 2.0 * self.predict(decode_rows, prompt_tokens, scored_rows))
+        x = np.array([1.0, decode_rows, prompt_tokens, scored_rows])
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
         self.steps += 1
@@ -88,10 +97,15 @@ class StepCostModel:
         # toward the previous coefficients worth `anchor` steps of the decayed total.
         scale = np.sqrt(np.maximum(np.diag(self._xx), 1e-12))
         ridge = self.anchor / self._weight
-        a = self._xx / np.outer(scale, scale) + ridge * np.eye(3)
+        a = self._xx / np.outer(scale, scale) + ridge * np.eye(4)
         b = self._xy / scale + ridge * np.asarray(self.coef) * scale
         solved = np.maximum(np.linalg.solve(a, b) / scale, 0.0)
-        self.coef = (float(solved[0]), float(solved[1]), max(float(solved[2]), 1e-7))
+        self.coef = (
+            float(solved[0]),
+            float(solved[1]),
+            max(float(solved[2]), 1e-7),
+            float(solved[3]),
+        )
 
 
 @dataclass
@@ -111,16 +125,19 @@ class StepBudget:
         pending_prompt: int,
         head_prompt: int,
         wave: bool = False,
+        scored_share: float = 0.0,
     ) -> int:
         """Budget for a step with ``decode_rows`` streams decoding and ``prompts`` requests still
         to prefill ``pending_prompt`` tokens (running chunks and waiting prompts), ``head_prompt``
         of them the oldest's. ``wave``: prompts have been pending since nobody decoded (the
-        scheduler's flag), so every decoding stream is the wave's own."""
+        scheduler's flag), so every decoding stream is the wave's own. ``scored_share``: the
+        fraction of the pending prompt tokens that are scored (`prompt_logprobs`)."""
         if pending_prompt <= 0:
             return self.cap
         if decode_rows == 0 or wave:
             return max(1, min(decode_rows + pending_prompt, self.cap))
-        base, _, per_prompt = self.model.coef
+        base, _, per_token, per_scored = self.model.coef
+        per_prompt = per_token + scored_share * per_scored
         overhead = self.model.predict(decode_rows, 0)
         # Streams stall while a step carries prompts: bound by how many wait per stream.
         factor = self.stall_factor * math.sqrt(max(1.0, prompts / decode_rows))
@@ -135,5 +152,7 @@ class StepBudget:
         chunk = max(min(chunk, bound), self.min_tokens)
         return max(1, min(decode_rows + chunk, self.cap))
 
-    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
-        self.model.observe(decode_rows, prompt_tokens, seconds)
+    def observe(
+        self, decode_rows: int, prompt_tokens: int, seconds: float, scored_rows: int = 0
+    ) -> None:
+        self.model.observe(decode_rows, prompt_tokens, seconds, scored_rows)

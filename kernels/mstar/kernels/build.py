@@ -51,6 +51,7 @@ KERNEL_SOURCES = (
     "gemm_dpbf16.cpp",
     "gemm_fma.cpp",
     "level.cpp",
+    "quant_gemm.cpp",
 )
 BINDINGS = "bindings.cpp"
 #: the prefix of each level's library and Python module name (`module_name`)

@@ -92,6 +92,9 @@ FUNCTIONS = (
     "fma_linear",
     "decode_layers",
     "isa_level",
+    "quant_vnni",
+    "quant_linear",
+    "quant_dequantize_",
 )
 
 #: dtypes ``paged_decode``, ``write_kv``, the glue ops and ``argmax_rows`` handle

@@ -291,7 +291,10 @@ def engine_pod_template(
         ],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": _probe("/health", 10, 90),
-        "livenessProbe": _probe("/health", 10, 3),
+        # /health fails once the engine stops making progress (mstar.engine.server.liveness);
+        # the engine then exits by itself, so this catches what cannot: an event loop that no
+        # longer answers. Two misses 5 s apart (+ the 5 s timeout) restart it within 15 s.
+        "livenessProbe": _probe("/health", 5, 2),
         "readinessProbe": _probe("/ready", 5, 3),
         # Kubernetes runs this before SIGTERM: serve until every router has let go of the pod.
         "lifecycle": {

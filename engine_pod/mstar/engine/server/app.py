@@ -18,20 +18,30 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from mstar.engine.server.async_engine import AsyncEngine, EngineLike, EngineThread
+from mstar.engine.config import EngineConfig
+from mstar.engine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineLike,
+    EngineThread,
+)
 from mstar.engine.server.lifecycle import generate
+from mstar.engine.server.liveness import Liveness
 from mstar.engine.server.metrics import CacheConfig, ServerMetrics
 from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import APIError
 from mstar.engine.server.state import STATE, ServerState
 from mstar.engine.server.telemetry import Telemetry
-from mstar.engine.server.tokenize import detokenize, tokenize
+from mstar.engine.server.tokenize import detokenize, tokenize, tokenizer_info
 from mstar.kernels.cpu_kernels import loaded_level
 
 log = logging.getLogger(__name__)
 
 #: After the grace period, how long aiohttp waits before cancelling the handlers still running.
 SHUTDOWN_CUTOFF_SECONDS = 1.0
+#: How often the watchdog asks whether the engine stalled (a fraction of any sensible bound).
+WATCHDOG_SECONDS = 0.5
+_DEFAULTS = EngineConfig()
 
 
 class OneLinePayloadErrors(logging.Filter):
@@ -116,26 +126,37 @@ async def auth_middleware(
 # -- probes, models, metrics --------------------------------------------------------------------
 
 
+def _engine_trouble(state: ServerState) -> tuple[str, str] | None:
+    """(status, reason) when the engine is dead or hung; None while it makes progress."""
+    engine = state.async_engine
+    if not engine.alive:
+        return "dead", str(engine.error or "the engine loop is not running")
+    stall = engine.liveness.stall()
+    return ("stalled", stall) if stall is not None else None
+
+
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the engine loop runs (a dead loop needs a restart, not more traffic). Also the
-    ISA level of the CPU kernels the engine runs (null: none, e.g. on a GPU)."""
-    state = request.app[STATE]
-    if not state.async_engine.alive:
-        error = str(state.async_engine.error)
-        return web.json_response({"status": "dead", "error": error}, status=503)
+    """Liveness: the engine loop runs and, with work pending, completes steps within its bound
+    (a dead or hung loop needs a restart, not more traffic). Also the ISA level of the CPU
+    kernels the engine runs (null: none, e.g. on a GPU)."""
+    trouble = _engine_trouble(request.app[STATE])
+    if trouble is not None:
+        return web.json_response({"status": trouble[0], "error": trouble[1]}, status=503)
     return web.json_response({"status": "ok", "cpu_isa": loaded_level()})
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: model loaded, engine loop alive, not draining (503 from the first drain step).
+    """Readiness: model loaded, engine loop alive and not hung, not draining (503 from the
+    first drain step).
 
     Also says how long ago the last request arrived: `mstar-engine prestop` waits on it.
     """
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
-    if not state.async_engine.alive:
-        return web.json_response({"status": "engine not running"}, status=503)
+    trouble = _engine_trouble(state)
+    if trouble is not None:
+        return web.json_response({"status": f"engine {trouble[0]}: {trouble[1]}"}, status=503)
     idle = round(time.monotonic() - state.last_arrival, 3)
     return web.json_response(
         {"status": "ready", "model": state.model_name, "since_last_request_s": idle}
@@ -173,11 +194,14 @@ def build_app(
     max_waiting_requests: int = 256,
     telemetry: Telemetry | None = None,
     engine_thread: EngineThread | None = None,
+    stall_timeout_seconds: float = _DEFAULTS.stall_timeout_seconds,
+    request_timeout_seconds: float = _DEFAULTS.request_timeout_seconds,
 ) -> web.Application:
     """The served app; the engine loop starts with the app and stops with it.
 
     ``engine_thread``: the thread ``engine`` was built on, so its steps run there too (see
-    `EngineThread`); without one the steps get a thread of their own.
+    `EngineThread`); without one the steps get a thread of their own. The timeouts are
+    `EngineConfig`'s (``--stall-timeout-seconds``, ``--request-timeout-seconds``).
     """
     _one_line_payload_errors()
     kv = engine.kv
@@ -185,13 +209,19 @@ def build_app(
     metrics_ = ServerMetrics(engine.model_name, cache)
     state = ServerState(
         engine=engine,
-        async_engine=AsyncEngine(engine, observer=metrics_, thread=engine_thread),
+        async_engine=AsyncEngine(
+            engine,
+            observer=metrics_,
+            thread=engine_thread,
+            liveness=Liveness(stall_timeout_seconds),
+        ),
         metrics=metrics_,
         telemetry=telemetry if telemetry is not None else Telemetry.from_env(),
         model_name=engine.model_name,
         max_model_len=engine.max_model_len,
         api_key=api_key or None,
         max_waiting_requests=max_waiting_requests,
+        request_timeout=request_timeout_seconds or None,
     )
     state.idle.set()
     app = web.Application(middlewares=[error_middleware, auth_middleware])
@@ -212,18 +242,37 @@ def build_app(
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
 
     async def on_startup(app: web.Application) -> None:
         app[STATE].async_engine.start()
+        watchdog = asyncio.create_task(watch_engine(app[STATE].async_engine))
+        app[WATCHDOG] = watchdog
 
     async def on_cleanup(app: web.Application) -> None:
         st = app[STATE]
+        app[WATCHDOG].cancel()
         await asyncio.get_running_loop().run_in_executor(None, st.async_engine.stop)
         st.telemetry.shutdown()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+WATCHDOG: web.AppKey[asyncio.Task[None]] = web.AppKey("mstar_watchdog", asyncio.Task)
+
+
+async def watch_engine(engine: AsyncEngine) -> None:
+    """Declare a hung engine (or one whose thread is gone) dead: its requests end with the
+    reason at once, rather than whenever a kubelet gets round to restarting the pod. Cancelled
+    before a normal shutdown stops the engine."""
+    while engine.error is None:
+        await asyncio.sleep(WATCHDOG_SECONDS)
+        reason = engine.liveness.stall() if engine.alive else "the engine thread is gone"
+        if reason is not None and engine.error is None:
+            log.error("%s; failing its requests", reason)
+            engine.fail(EngineDeadError(reason))
 
 
 async def drain(app: web.Application, grace_seconds: float) -> bool:
@@ -254,8 +303,11 @@ async def serve(
     grace_seconds: float = 30.0,
     stop: asyncio.Event | None = None,
     on_started: Callable[[int], None] | None = None,
-) -> None:
-    """Run until SIGTERM/SIGINT (or `stop`), drain, then shut down.
+    exit_on_engine_failure: bool = True,
+) -> int:
+    """Run until SIGTERM/SIGINT (or `stop`), drain, then shut down: returns 0. With
+    ``exit_on_engine_failure``, an engine that dies or hangs ends it too (its requests have
+    failed; their handlers get a moment to say so): returns 1, for a restart.
 
     Handlers are cancelled when their client disconnects (`handler_cancellation`), which is
     what aborts a disconnected request's engine work and frees its pages.
@@ -280,13 +332,25 @@ async def serve(
             installed.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
+    state = app[STATE]
+    waits = [asyncio.ensure_future(stop.wait())]
+    if exit_on_engine_failure:
+        waits.append(asyncio.ensure_future(state.async_engine.dead.wait()))
     try:
-        await stop.wait()
-        inflight = app[STATE].inflight
-        log.info("draining: waiting up to %.1fs for %d requests", grace_seconds, inflight)
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if state.async_engine.dead.is_set():
+            log.error("the engine failed (%s); exiting", state.async_engine.error)
+            state.draining = True
+            with contextlib.suppress(TimeoutError):  # the failed handlers write their errors
+                await asyncio.wait_for(state.idle.wait(), timeout=SHUTDOWN_CUTOFF_SECONDS)
+            return 1
+        log.info("draining: waiting up to %.1fs for %d requests", grace_seconds, state.inflight)
         if not await drain(app, grace_seconds):
             log.warning("grace period over; cut off the requests still running")
+        return 0
     finally:
+        for waiting in waits:
+            waiting.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)
         await runner.cleanup()

@@ -6,6 +6,10 @@ loop in one `call_soon_threadsafe` batch, where each request's sink (an asyncio 
 `put_nowait`) receives them. The thread sleeps on a condition variable when there is no work,
 so an idle server costs no CPU, and the event loop never blocks on a forward pass.
 
+The thread stamps its progress in a `Liveness`; the server's watchdog declares a stalled engine
+dead (`fail`), as the thread does itself when a step raises. Death is final and loud: every live
+request ends with an error, later adds are refused, and `dead` is set for the server to exit.
+
 That thread is an `EngineThread`, and the server builds the engine on it too: torch's CPU kernels
 run on an OpenMP team owned by the calling thread, so loading on one thread and stepping on
 another leaves two teams fighting for the same cores (SmolLM2 batch-1 decode on 2 cores: 21.6
@@ -27,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
+from mstar.engine.server.liveness import Liveness
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,6 +51,8 @@ class EngineLike(Protocol):
     kv: Any  # the KV cache resource: its page size and counts are exported once, at start
     #: `GrammarBackend`: the server compiles requests' grammars with it (a 400 when bad).
     grammar: Any
+    #: Steps that ran a batch, ever (a step that only held its requests moved nothing).
+    executed_steps: int
 
     def add_request(
         self,
@@ -91,7 +98,7 @@ class _Abort:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (a step raised); nothing more can be served."""
+    """The engine loop has stopped (a step raised or hung); nothing more can be served."""
 
 
 class EngineThread:
@@ -140,19 +147,26 @@ class AsyncEngine:
         engine: EngineLike,
         observer: StepObserver | None = None,
         thread: EngineThread | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
-        """``thread``: the `EngineThread` the engine was built on (a new one if None)."""
+        """``thread``: the `EngineThread` the engine was built on (a new one if None);
+        ``liveness``: where the step loop stamps its progress (no stall check if None)."""
         self.engine = engine
         self._observer = observer
         self._home = thread
+        self.liveness = liveness if liveness is not None else Liveness(0.0)
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort] = []
         self._queued_adds = 0
+        #: Adds the engine thread took from the inbox and has not answered yet.
+        self._unacked: list[asyncio.Future[None]] = []
         self._sinks: dict[str, Sink] = {}
         self._stopping = False
         self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
+        #: Set (on the event loop) once the engine is dead: the server exits on it.
+        self.dead = asyncio.Event()
         self.stats: Any = engine.stats()
         self.steps = 0
 
@@ -168,11 +182,26 @@ class AsyncEngine:
         self._started = True
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the step loop and wait for it; a dead engine's thread may hang, so not for it."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._started and self._home is not None:
+        if self._started and self._home is not None and self.error is None:
             self._home.join(timeout)
+
+    def fail(self, error: BaseException) -> None:
+        """Declare the engine dead: every live request ends with ``error``'s message, every add
+        from now on is refused, and `dead` is set. Idempotent; callable from any thread."""
+        with self._cond:
+            if self.error is not None:
+                return
+            self.error = error
+            self._cond.notify()
+        self._fail_all(str(error))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closing meanwhile: nobody to tell
+                loop.call_soon_threadsafe(self.dead.set)
 
     @property
     def alive(self) -> bool:
@@ -193,10 +222,12 @@ class AsyncEngine:
         went away), every one of them is aborted.
         """
         if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError(f"the engine is not running: {self.error}")
         assert self._loop is not None
         done: asyncio.Future[None] = self._loop.create_future()
         with self._cond:
+            if self.error is not None:  # died since the check: `_fail_all` took the inbox
+                raise EngineDeadError(f"the engine is not running: {self.error}")
             self._inbox.append(_Add(requests, done))
             self._queued_adds += len(requests)
             self._cond.notify()
@@ -220,29 +251,40 @@ class AsyncEngine:
             self._loop_forever()
         except BaseException as exc:  # the thread must report, not vanish
             log.exception("engine loop died")
-            self.error = exc
-            self._fail_all(f"engine failure: {exc}")
+            self.fail(EngineDeadError(f"engine failure: {exc}"))
 
     def _loop_forever(self) -> None:
         engine = self.engine
+        live = self.liveness
         idle_wait: float | None = None
         while True:
             with self._cond:
                 while (
-                    not self._inbox and not self._stopping and not engine.has_unfinished_requests()
+                    not self._inbox
+                    and not self._stopping
+                    and self.error is None
+                    and not engine.has_unfinished_requests()
                 ):
+                    live.idle()
                     self._cond.wait()
+                live.woke()
                 if idle_wait is not None and not self._inbox and not self._stopping:
                     self._cond.wait(idle_wait)
+                if self.error is not None:  # declared dead (hung) while this thread was away
+                    return
                 if self._stopping:
                     commands, self._inbox = self._inbox, []
                     self._shutdown(commands)
                     return
                 commands, self._inbox = self._inbox, []
+                self._unacked = [c.done for c in commands if isinstance(c, _Add)]
             acks = self._apply(commands)
+            started = time.monotonic()
+            executed = engine.executed_steps
             outputs = engine.step() if engine.has_unfinished_requests() else []
             self.steps += 1
             now = time.monotonic()
+            live.stepped(now - started, bool(outputs) or engine.executed_steps != executed)
             stats = engine.stats()
             self.stats = stats
             with self._cond:
@@ -253,13 +295,20 @@ class AsyncEngine:
                 except Exception:
                     log.exception("step observer failed")
             deliveries: list[tuple[Sink, RequestOutput]] = []
-            for out in outputs:
-                sink = self._sinks.pop(out.request_id, None) if out.finished else None
-                sink = sink or self._sinks.get(out.request_id)
-                if sink is not None:
-                    deliveries.append((sink, out))
+            with self._cond:  # `fail` may take the sinks from the event loop
+                dead = self.error is not None
+                if not dead:
+                    for out in outputs:
+                        sink = self._sinks.pop(out.request_id, None) if out.finished else None
+                        sink = sink or self._sinks.get(out.request_id)
+                        if sink is not None:
+                            deliveries.append((sink, out))
+            if dead:  # declared hung mid-step: fail what this step took on, then stop
+                self._fail_all(str(self.error))
+                return
             if acks or deliveries:
                 self._post(acks, deliveries)
+            self._unacked = []
             busy = bool(outputs) or int(getattr(stats, "num_running", 0)) > 0
             idle_wait = None if busy else IDLE_POLL_SECONDS
 
@@ -320,11 +369,14 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_deliver, acks, deliveries)
 
     def _fail_all(self, message: str) -> None:
-        """After a fatal error, end every live request with an error so no handler hangs."""
+        """After a fatal error, end every live request with an error and refuse every add not
+        yet answered (queued, or taken by a step that never returned), so no handler hangs."""
         with self._cond:
             commands, self._inbox = self._inbox, []
+            sinks, self._sinks = self._sinks, {}
+            futures = [*self._unacked, *(c.done for c in commands if isinstance(c, _Add))]
         acks: list[tuple[asyncio.Future[None], BaseException | None]] = [
-            (c.done, EngineDeadError(message)) for c in commands if isinstance(c, _Add)
+            (fut, EngineDeadError(message)) for fut in futures
         ]
         now = time.monotonic()
         deliveries = [
@@ -341,9 +393,8 @@ class AsyncEngine:
                     finished_time=now,
                 ),
             )
-            for rid, sink in self._sinks.items()
+            for rid, sink in sinks.items()
         ]
-        self._sinks.clear()
         self._post(acks, deliveries)
 
 

@@ -154,11 +154,11 @@ class ChoiceState:
         return Delta(text, pieces, reason)
 
 
-def _clamp(logprob: float) -> float:
+def clamp_logprob(logprob: float) -> float:
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def _token_text(tokenizer: TokenizerLike, token_id: int) -> str:
+def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
@@ -172,13 +172,13 @@ def completion_logprobs(
     offsets: list[int] = []
     for piece in pieces:
         lp = piece.logprob
-        tokens.append(_token_text(tokenizer, piece.token_id))
-        token_logprobs.append(_clamp(lp.logprob) if lp else 0.0)
+        tokens.append(token_text(tokenizer, piece.token_id))
+        token_logprobs.append(clamp_logprob(lp.logprob) if lp else 0.0)
         top: dict[str, float] = {}
         if lp is not None:
-            top[tokens[-1]] = _clamp(lp.logprob)
+            top[tokens[-1]] = clamp_logprob(lp.logprob)
             for tid, value in lp.top:
-                top.setdefault(_token_text(tokenizer, tid), _clamp(value))
+                top.setdefault(token_text(tokenizer, tid), clamp_logprob(value))
         tops.append(top)
         offsets.append(offset + piece.start)
     return {
@@ -190,7 +190,7 @@ def completion_logprobs(
 
 
 def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(tokenizer: TokenizerLike, pieces: list[Piece], top_n: int) -> dict[str, Any]:
@@ -198,9 +198,9 @@ def chat_logprobs(tokenizer: TokenizerLike, pieces: list[Piece], top_n: int) -> 
     content: list[dict[str, Any]] = []
     for piece in pieces:
         lp = piece.logprob
-        entry = _chat_entry(_token_text(tokenizer, piece.token_id), lp.logprob if lp else 0.0)
+        entry = _chat_entry(token_text(tokenizer, piece.token_id), lp.logprob if lp else 0.0)
         entry["top_logprobs"] = (
-            [_chat_entry(_token_text(tokenizer, tid), value) for tid, value in lp.top[:top_n]]
+            [_chat_entry(token_text(tokenizer, tid), value) for tid, value in lp.top[:top_n]]
             if lp is not None
             else []
         )

@@ -10,6 +10,7 @@ each choice is counted once in the metrics and traced once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -21,11 +22,18 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
-from mstar.engine.outputs import ErrorKind, RequestError, RequestOutput
+from mstar.engine.outputs import (
+    ErrorKind,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    TokenLogprob,
+)
 from mstar.engine.resources.sampling.grammar import InvalidGrammar
 from mstar.engine.sampling_params import GrammarSpec, InvalidParameter
 from mstar.engine.server.async_engine import EngineDeadError, NewRequest
 from mstar.engine.server.choice import ChoiceState, Delta
+from mstar.engine.server.limits import RETRY_AFTER_SECONDS, Deadline
 from mstar.engine.server.protocol import (
     APIError,
     GenerationRequest,
@@ -36,8 +44,8 @@ from mstar.engine.server.protocol import (
     parse_completion_request,
 )
 from mstar.engine.server.responses import complete, stream
-from mstar.engine.server.state import RETRY_AFTER_SECONDS, STATE
-from mstar.engine.server.tools import template_messages
+from mstar.engine.server.state import STATE
+from mstar.engine.server.tools import reported_reason, template_messages
 
 
 async def read_json_body(request: web.Request) -> Any:
@@ -94,6 +102,8 @@ class SubRequest:
     submitted: bool = False
     done: bool = False
     error: RequestError | None = None
+    #: The prompt's scores (`SamplingParams.prompt_logprobs`), once the engine sent them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -112,6 +122,7 @@ class Generation:
         self.prompt_texts: list[str] = []
         self.status = 200
         self.error: str | None = None
+        self.deadline = Deadline(self.arrival, self.state.request_timeout)
         self.trace = self.state.telemetry.start_request(
             request.headers,
             {
@@ -128,6 +139,7 @@ class Generation:
 
     async def parse(self) -> GenerationRequest:
         body = await read_json_body(self.request)
+        self.deadline.shorten(body)
         req = parse_chat_request(body) if self.kind == "chat" else parse_completion_request(body)
         if req.model is not None and req.model != self.state.model_name:
             raise model_not_found(req.model)
@@ -216,20 +228,17 @@ class Generation:
 
     async def submit(self, req: GenerationRequest, new: list[NewRequest]) -> None:
         state = self.state
-        if state.async_engine.num_waiting() + len(new) > state.max_waiting_requests:
-            raise APIError(
-                429,
-                f"The server is at capacity ({state.max_waiting_requests} waiting requests); "
-                "retry later.",
-                type="rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
+        if not state.admission.has_room(len(new)):
+            raise state.admission.refuse()
         try:
-            await state.async_engine.add_requests(new)
+            async with asyncio.timeout_at(self.deadline.at):
+                await state.async_engine.add_requests(new)
         except BaseException as exc:
             for sub in self.subs:
                 sub.done = True  # add_requests undid the whole batch (refused or cancelled)
+            if isinstance(exc, TimeoutError):
+                self.deadline.passed = True
+                raise self.deadline.error() from exc
             if isinstance(exc, Exception):
                 raise submit_error(exc, req) from exc
             raise
@@ -239,11 +248,39 @@ class Generation:
     # -- consuming outputs ---------------------------------------------------------------------
 
     async def next_deltas(self) -> list[tuple[SubRequest, Delta]]:
-        """Wait for engine output; return what can be shown now (may be empty)."""
-        position, out = await self.queue.get()
+        """Wait for engine output; return what can be shown now (may be empty). Past the
+        deadline, every unfinished choice ends with an error (its engine request aborted)."""
+        try:
+            async with asyncio.timeout_at(self.deadline.at):
+                position, out = await self.queue.get()
+        except TimeoutError:
+            return self._expire()
         ready = [self._absorb(position, out)]
         while not self.queue.empty():  # whatever else the same step delivered
             position, out = self.queue.get_nowait()
+            ready.append(self._absorb(position, out))
+        return [(sub, d) for sub, d in ready if d is not None]
+
+    def _expire(self) -> list[tuple[SubRequest, Delta]]:
+        self.deadline.passed = True
+        error = RequestError(ErrorKind.INTERNAL, self.deadline.error().message)
+        now = time.monotonic()
+        ready = []
+        for position, sub in enumerate(self.subs):
+            if sub.done:
+                continue
+            self.state.async_engine.abort_request(sub.request_id)
+            last = sub.last or RequestOutput(sub.request_id, [], None, False, arrival_time=now)
+            out = dataclasses.replace(
+                last,
+                new_token_ids=[],
+                new_logprobs=None,
+                events=[],
+                finished=True,
+                finish_reason=FinishReason.ERROR,
+                error=error,
+                finished_time=now,
+            )
             ready.append(self._absorb(position, out))
         return [(sub, d) for sub, d in ready if d is not None]
 
@@ -259,6 +296,8 @@ class Generation:
         if sub.done:
             return sub, None
         sub.last = out
+        if out.prompt_logprobs is not None:
+            sub.prompt_logprobs = out.prompt_logprobs
         choice = sub.choice
         if choice.add(out.new_token_ids, out.new_logprobs):
             self.state.async_engine.abort_request(sub.request_id)
@@ -275,6 +314,7 @@ class Generation:
         if sub.done:
             return
         sub.done = True
+        reason = reported_reason(self.req.tools if self.req else None, sub.choice.text, reason)
         last = sub.last
         now = time.monotonic()
         finished = last.finished_time if last and last.finished_time else now
@@ -312,6 +352,8 @@ class Generation:
             return None
         error = failed[0].error
         assert self.req is not None and error is not None
+        if self.deadline.passed:
+            return self.deadline.error()
         if error.kind is ErrorKind.REJECTED:
             return bad_request(error.message, self.req.prompt_param)
         return APIError(500, error.message, type="internal_server_error")
@@ -395,11 +437,17 @@ async def generate(request: web.Request, kind: str) -> web.StreamResponse:
             type="service_unavailable",
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
+    if not await state.admission.wait_for_room():  # before the body is even read (`limits`)
+        raise state.admission.refuse()
     state.enter()
     gen = Generation(request, kind)
     state.generations.add(gen)
     try:
-        req = await gen.parse()
+        try:  # reading the body, compiling a grammar: bounded by the server's deadline too
+            async with asyncio.timeout_at(gen.deadline.at):
+                req = await gen.parse()
+        except TimeoutError as exc:
+            raise gen.deadline.error() from exc
         prompts = gen.tokenize(req)
         new = gen.plan(req, prompts)
         await gen.submit(req, new)

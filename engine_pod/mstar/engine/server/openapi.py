@@ -122,6 +122,7 @@ COMMON: dict[str, Schema] = {
     "ignore_eos": _flag(),
     "include_stop_str_in_output": _flag(),
     "skip_special_tokens": _flag(),
+    "prompt_logprobs": _int(0, MAX_TOP_LOGPROBS),  # vLLM's; also echo + logprobs
 }
 
 TEXT_PART: Schema = {
@@ -190,10 +191,6 @@ def _request(properties: dict[str, Schema], required: str, *rules: Schema) -> Sc
 
 def completion_request(max_model_len: int) -> Schema:
     """`/v1/completions`; `max_tokens` leaves at least one prompt token in the context."""
-    echo_rule = {
-        "if": {"required": ["echo"], "properties": {"echo": {"const": True}}},
-        "then": {"properties": {"logprobs": {"type": "null"}}},
-    }
     return _request(
         {
             "prompt": {
@@ -210,7 +207,6 @@ def completion_request(max_model_len: int) -> Schema:
             "suffix": {"type": "null"},
         },
         "prompt",
-        echo_rule,
     )
 
 
@@ -233,6 +229,7 @@ def chat_request(max_model_len: int) -> Schema:
         },
         "messages",
         top_rule,
+        _only_when("prompt_logprobs", {"properties": {"stream": {"enum": [False, None]}}}),
     )
 
 
@@ -259,10 +256,11 @@ COMPLETION_LOGPROBS: Schema = {
     "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
     "properties": {
         "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number", "maximum": 0}},
+        # null for an echoed prompt's first token (it has no context)
+        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"], "maximum": 0}},
         "top_logprobs": {
             "type": "array",
-            "items": {"type": "object", "additionalProperties": {"type": "number"}},
+            "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
         },
         "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     },

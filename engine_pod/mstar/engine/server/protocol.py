@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mstar.engine.sampling_params import (
-    GrammarSpec,
     InvalidParameter,
     SamplingParams,
     context_overflow,
 )
+from mstar.engine.server.scoring import parse_prompt_logprobs
+from mstar.engine.server.structured import parse_response_format, request_grammar
 from mstar.engine.server.tools import ToolConfig, parse_tools
 
 #: Most choices one request may ask for (OpenAI's own limit for chat).
@@ -246,6 +247,8 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     #: Chat only: the declared tools and how they may be called.
     tools: ToolConfig | None = None
+    #: vLLM's `prompt_logprobs` was asked for (its field in the response).
+    vllm_prompt_logprobs: bool = False
 
     @property
     def prompt_param(self) -> str:
@@ -325,40 +328,6 @@ def _parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return bias
 
 
-def _parse_response_format(body: dict[str, Any]) -> GrammarSpec | None:
-    """`response_format`: text (no grammar), json_object, or json_schema {name, schema, strict}.
-
-    Compiling the schema (which finds what is wrong with it) is the server's next step."""
-    fmt = body.get("response_format")
-    if fmt is None:
-        return None
-    param = "response_format"
-    if not isinstance(fmt, dict):
-        raise _type_error(param, "an object", fmt)
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GrammarSpec("json_object")
-    if kind != "json_schema":
-        raise bad_request(
-            "'response_format.type' must be 'text', 'json_object' or 'json_schema'", param
-        )
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict):
-        raise bad_request("'response_format.json_schema' must be an object", param)
-    name = spec.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad_request("'response_format.json_schema.name' must be a non-empty string", param)
-    schema = spec.get("schema", {})
-    if not isinstance(schema, dict | bool):
-        raise bad_request("'response_format.json_schema.schema' must be a JSON schema", param)
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise bad_request("'response_format.json_schema.strict' must be a boolean", param)
-    return GrammarSpec.json_schema(schema, bool(strict))  # type: ignore[arg-type]
-
-
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
     """Fields shared by both routes; returns GenerationRequest keyword arguments."""
     model = _get_str(body, "model")
@@ -410,7 +379,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
             ignore_eos=_get_bool(body, "ignore_eos", False),
             min_tokens=min_tokens,
             logit_bias=_parse_logit_bias(body),
-            grammar=_parse_response_format(body),
+            grammar=parse_response_format(body),
         )
     except InvalidParameter as exc:
         raise bad_request(str(exc), exc.param) from exc
@@ -449,10 +418,9 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         raise bad_request("'suffix' is not supported", "suffix")
     echo = _get_bool(body, "echo", False)
     top = _get_int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if echo and top is not None:
-        raise bad_request("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
     req = _with_logprobs(kwargs, top)
     req.echo = echo
+    _score_prompt(req, body, top if echo else None)
     req.prompts = _parse_prompts(body.get("prompt"))
     return req
 
@@ -486,18 +454,26 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     req = _with_logprobs(kwargs, (top or 0) if want else None)
     req.messages = parse_messages(body.get("messages"))
+    _score_prompt(req, body, None)
+    if req.stream and req.vllm_prompt_logprobs:  # a response-level field: vLLM refuses it too
+        raise bad_request("'prompt_logprobs' is not available when streaming chat", "stream")
     try:
         req.tools = parse_tools(body)
     except InvalidParameter as exc:
         raise bad_request(str(exc), exc.param) from exc
-    grammar = req.tools.grammar() if req.tools is not None else None
-    if grammar is not None:
-        if req.params.grammar is not None:
-            raise bad_request(
-                "'response_format' cannot be combined with a forced 'tool_choice'", "tool_choice"
-            )
-        req.params = dataclasses.replace(req.params, grammar=grammar)
+    grammar = request_grammar(req.params.grammar, req.tools)
+    req.params = dataclasses.replace(req.params, grammar=grammar)
     return req
+
+
+def _score_prompt(req: GenerationRequest, body: dict[str, Any], echo_top: int | None) -> None:
+    """Prompt logprobs (`scoring`): OpenAI's echo + logprobs, vLLM's `prompt_logprobs`."""
+    try:
+        k = parse_prompt_logprobs(body, echo_top)
+    except InvalidParameter as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    req.vllm_prompt_logprobs = body.get("prompt_logprobs") is not None
+    req.params = dataclasses.replace(req.params, prompt_logprobs=k)
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 from mstar.engine.server import sse
 from mstar.engine.server.choice import Delta, chat_logprobs, completion_logprobs
 from mstar.engine.server.protocol import APIError, GenerationRequest
+from mstar.engine.server.scoring import echo_logprobs, join_echo, vllm_prompt_logprobs
 from mstar.engine.server.tools import ToolStream, parse_output
 
 if TYPE_CHECKING:
@@ -44,12 +45,32 @@ def chunk(gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def stream_choices(
-    gen: Generation, sub: SubRequest, delta: Delta, tools: ToolStream | None
+    gen: Generation,
+    sub: SubRequest,
+    delta: Delta,
+    tools: ToolStream | None,
+    started: set[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """The streamed choice entries for one delta: one, or with tools one per tool delta."""
+    """The streamed choice entries for one delta: one, or with tools one per tool delta.
+    ``started``: the completion choices that sent an event already; a choice's first event
+    starts with its prompt when `echo` (and its scores, as vLLM streams them)."""
     lp = logprobs_body(gen, delta)
+    req = gen.req
+    assert req is not None
     if gen.kind != "chat":
-        return [_completion_choice(sub, delta, lp)]
+        entry = _completion_choice(sub, delta, lp)
+        if started is None or sub.index in started:
+            return [entry]
+        started.add(sub.index)
+        if req.echo:
+            echo = _echo(gen, sub)
+            if lp is None and req.top_logprobs is not None:
+                lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            entry["text"] = echo + delta.text
+            entry["logprobs"] = _scored(gen, sub, lp, echo)
+        if req.vllm_prompt_logprobs:
+            entry["prompt_logprobs"] = _vllm_scores(gen, sub)
+        return [entry]
     reason = delta.finish_reason
     if tools is None:
         bodies: list[dict[str, Any]] = [{"content": delta.text} if delta.text else {}]
@@ -77,6 +98,31 @@ def _completion_choice(sub: SubRequest, delta: Delta, lp: dict[str, Any] | None)
         "logprobs": lp,
         "finish_reason": delta.finish_reason,
     }
+
+
+def _echo(gen: Generation, sub: SubRequest) -> str:
+    """The prompt as a completion's `echo` repeats it: its text, else its decoded ids."""
+    return gen.prompt_texts[sub.prompt_index] or gen.state.engine.tokenizer.decode(sub.prompt_ids)
+
+
+def _scored(gen: Generation, sub: SubRequest, lp: dict[str, Any] | None, echo: str) -> Any:
+    """A completion choice's `logprobs` with the echoed prompt's scores in front (OpenAI's
+    echo with logprobs), or as they were."""
+    req = gen.req
+    assert req is not None
+    if lp is None or not req.echo or sub.prompt_logprobs is None:
+        return lp
+    tok = gen.state.engine.tokenizer
+    prompt = echo_logprobs(tok, sub.prompt_ids, sub.prompt_logprobs, req.top_logprobs or 0)
+    return join_echo(prompt, lp, len(echo))
+
+
+def _vllm_scores(gen: Generation, sub: SubRequest) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` of a choice's prompt, when the request asked in its words."""
+    assert gen.req is not None
+    if not gen.req.vllm_prompt_logprobs or sub.prompt_logprobs is None:
+        return None
+    return vllm_prompt_logprobs(gen.state.engine.tokenizer, sub.prompt_ids, sub.prompt_logprobs)
 
 
 async def complete(gen: Generation, req: GenerationRequest) -> web.Response:
@@ -110,20 +156,17 @@ async def complete(gen: Generation, req: GenerationRequest) -> web.Response:
                 {"index": sub.index, "message": message, "logprobs": lp, "finish_reason": reason}
             )
         else:
-            if req.echo:
-                prompt = gen.prompt_texts[sub.prompt_index] or gen.state.engine.tokenizer.decode(
-                    sub.prompt_ids
-                )
-                text = prompt + text
-            choices.append(
-                {
-                    "index": sub.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": sub.choice.finish_reason,
-                }
-            )
-    body = {
+            echo = _echo(gen, sub) if req.echo else ""
+            entry = {
+                "index": sub.index,
+                "text": echo + text,
+                "logprobs": _scored(gen, sub, lp, echo),
+                "finish_reason": sub.choice.finish_reason,
+            }
+            if req.vllm_prompt_logprobs:
+                entry["prompt_logprobs"] = _vllm_scores(gen, sub)
+            choices.append(entry)
+    body: dict[str, Any] = {
         "id": gen.id,
         "object": "chat.completion" if req.kind == "chat" else "text_completion",
         "created": gen.created,
@@ -131,6 +174,8 @@ async def complete(gen: Generation, req: GenerationRequest) -> web.Response:
         "choices": choices,
         "usage": gen.usage(),
     }
+    if req.kind == "chat" and req.vllm_prompt_logprobs:  # one prompt: on the response (vLLM)
+        body["prompt_logprobs"] = _vllm_scores(gen, gen.subs[0])
     return web.json_response(body)
 
 
@@ -153,6 +198,7 @@ async def stream(gen: Generation, req: GenerationRequest) -> web.StreamResponse:
     """Answer server-sent events as choices produce text; usage and [DONE] last."""
     response: web.StreamResponse | None = None
     tools: dict[int, ToolStream] = {}
+    started: set[int] = set()
     if req.tools is not None:
         tools = {s.index: ToolStream(req.tools) for s in gen.subs}
     try:
@@ -180,7 +226,7 @@ async def stream(gen: Generation, req: GenerationRequest) -> web.StreamResponse:
                 if sub.error is not None and delta.finish_reason is not None:
                     err = APIError(500, sub.error.message, type="internal_server_error")
                     await response.write(sse.encode_event(err.body()))
-                for entry in stream_choices(gen, sub, delta, tools.get(sub.index)):
+                for entry in stream_choices(gen, sub, delta, tools.get(sub.index), started):
                     await response.write(sse.encode_event(chunk(gen, [entry])))
         if response is None:  # no output at all (cannot normally happen): still a valid stream
             response = await sse.open_stream(gen.request)

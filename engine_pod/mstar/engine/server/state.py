@@ -10,14 +10,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from mstar.engine.server.async_engine import AsyncEngine, EngineLike
+from mstar.engine.server.limits import Admission
 from mstar.engine.server.metrics import ServerMetrics
 from mstar.engine.server.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from mstar.engine.server.lifecycle import Generation
-
-#: What a 429 (at capacity) or a 503 (draining) tells the client to wait before retrying.
-RETRY_AFTER_SECONDS = 1
 
 
 @dataclass
@@ -32,6 +30,8 @@ class ServerState:
     max_model_len: int
     api_key: str | None
     max_waiting_requests: int
+    #: Every request's deadline in seconds from arrival (None: only a body's `timeout`).
+    request_timeout: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     #: When the last request arrived (monotonic); the preStop hook waits for a quiet spell.
@@ -39,6 +39,10 @@ class ServerState:
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     generations: set[Generation] = field(default_factory=set)
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.max_waiting_requests, self.async_engine.num_waiting)
 
     def enter(self) -> None:
         self.inflight += 1
@@ -48,6 +52,7 @@ class ServerState:
         self.inflight -= 1
         if self.inflight == 0:
             self.idle.set()
+        self.admission.room_freed()
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("mstar_state", ServerState)

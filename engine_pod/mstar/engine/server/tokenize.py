@@ -4,6 +4,10 @@
 (rendered with the template as a chat request would be, `add_generation_prompt` default
 true, optional `tools`) and answers `{"count", "max_model_len", "tokens", "token_strs"}`;
 `/detokenize` takes `tokens` and answers `{"prompt"}`. Bad bodies are 400s naming the field.
+
+`GET /tokenizer_info` is vLLM's: the tokenizer's configuration (class, special tokens, chat
+template, length). lm-evaluation-harness asks it first and, when it answers, tokenizes
+through `/tokenize` and `/detokenize` instead of loading the model's name from a hub.
 """
 
 from __future__ import annotations
@@ -95,3 +99,20 @@ async def detokenize(request: web.Request) -> web.Response:
     ):
         raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
     return web.json_response({"prompt": state.engine.tokenizer.decode(tokens)})
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tok = state.engine.tokenizer
+    specials = getattr(tok, "special_tokens", {})
+    info: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": specials.get("bos_token"),
+        "eos_token": specials.get("eos_token"),
+        "pad_token": specials.get("pad_token"),
+        "unk_token": specials.get("unk_token"),
+        "chat_template": getattr(tok, "chat_template", None),
+        "model_max_length": state.max_model_len,
+        "vocab_size": state.engine.grammar.vocab_size,
+    }
+    return web.json_response(info)

@@ -3,9 +3,13 @@
 - `none`: tools are left out of the prompt; the output is plain content.
 - `auto`: the model decides. Calls are read from its text in the Hermes / Qwen2.5 format,
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text outside them is content.
-- `required`: the output is constrained (grammar) to a JSON array of one or more calls
-  (exactly one without `parallel_tool_calls`), each naming a declared tool with arguments
-  valid for its schema.
+- `required`: the output is constrained (grammar) to a JSON array of one or more calls, each
+  naming a declared tool with arguments valid for its schema: exactly one with
+  `parallel_tool_calls: false`, at most one per declared tool when it is unset (`max_calls`),
+  any number when it is true.
+
+A list of calls cut by `max_tokens` keeps its complete calls (`parse_output`); the cut tail is
+dropped and the finish reason stays "length".
 - a named function: the output is constrained to that function's arguments.
 
 Templates that know tools (they mention `tools`) render them themselves; for others a system
@@ -48,7 +52,18 @@ class ToolConfig:
 
     tools: tuple[Tool, ...]
     choice: str
-    parallel: bool
+    #: `parallel_tool_calls`; None when the request left it unset.
+    parallel: bool | None
+
+    @property
+    def max_calls(self) -> int | None:
+        """Most calls one turn may make (None: no bound). Unset, OpenAI's default is parallel
+        calls; a turn of parallel calls does each of several jobs once, so the bound is one
+        call per declared tool. Without it a small model forced to call repeats its call until
+        `max_tokens` (pydantic-ai's `final_result`, measured) and every call is lost."""
+        if self.parallel is False:
+            return 1
+        return len(self.tools) if self.parallel is None else None
 
     @property
     def forced(self) -> bool:
@@ -60,10 +75,10 @@ class ToolConfig:
             calls: dict[str, Any] = {
                 "type": "array",
                 "minItems": 1,
-                "items": {"anyOf": [_call_schema(t) for t in self.tools]},
+                "items": {"anyOf": [call_schema(t) for t in self.tools]},
             }
-            if not self.parallel:
-                calls["maxItems"] = 1
+            if self.max_calls is not None:
+                calls["maxItems"] = self.max_calls
             return GrammarSpec.json_schema(calls)
         if self.forced:
             return GrammarSpec.json_schema(self._named().parameters)
@@ -81,7 +96,8 @@ class ToolConfig:
         return [t.openai() for t in self.tools]
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
+def call_schema(tool: Tool) -> dict[str, Any]:
+    """One call of ``tool`` as JSON: its name and its arguments."""
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
@@ -112,7 +128,7 @@ def parse_tools(body: dict[str, Any]) -> ToolConfig | None:
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidParameter("tools", "'tools' names must be unique")
-    return ToolConfig(tools, _parse_choice(choice, names), True if parallel is None else parallel)
+    return ToolConfig(tools, _parse_choice(choice, names), parallel)
 
 
 def _parse_tool(i: int, tool: Any) -> Tool:
@@ -252,13 +268,12 @@ def parse_output(config: ToolConfig, text: str) -> tuple[str | None, list[dict[s
     if config.forced and config.choice != "required":
         return None, [new_call(config.choice, text)]
     if config.choice == "required":
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []
-        calls = [c for c in (_call_from(i, names) for i in items) if c is not None]
+        calls = [c for c in (_call_from(i, names) for i in _complete_items(text)) if c is not None]
         return (None, calls) if calls else (text, [])
     calls = []
+    closed = text.rfind(CALL_CLOSE)
+    if 0 <= closed < text.rfind(CALL_OPEN):  # a call cut short after complete ones: dropped
+        text = text[: text.rfind(CALL_OPEN)]
     for block in _CALL_RE.findall(text):
         try:
             call = _call_from(json.loads(block), names)
@@ -271,6 +286,26 @@ def parse_output(config: ToolConfig, text: str) -> tuple[str | None, list[dict[s
         return text, []
     content = _CALL_RE.sub("", text).strip()
     return content or None, calls
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete items of a JSON array, also of one cut short (`max_tokens`)."""
+    decoder = json.JSONDecoder()
+    at = text.find("[")
+    items: list[Any] = []
+    if at < 0:
+        return items
+    at += 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return items
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 class ToolStream:
@@ -338,6 +373,14 @@ class ToolStream:
         self.calls = calls
         deltas = [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
         return deltas, _with_calls(reason, True)
+
+
+def reported_reason(config: ToolConfig | None, text: str, reason: str) -> str:
+    """The finish reason a choice reports (and `/metrics` counts): "tool_calls" when its
+    complete text holds calls and it stopped by itself."""
+    if config is None or config.choice == "none" or reason != "stop":
+        return reason
+    return _with_calls(reason, bool(parse_output(config, text)[1]))
 
 
 def _with_calls(reason: str, called: bool) -> str:

@@ -425,6 +425,8 @@ std::vector<torch::Tensor> decode_layers(
   return {x, residual};
 }
 
+#include "quant_bindings.h"
+
 namespace {
 
 // Every function runs without the GIL (none touches a Python object once its arguments are
@@ -451,6 +453,9 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(fma_pack_weight);
   MSTAR_DEF(fma_linear);
   MSTAR_DEF(decode_layers);
+  MSTAR_DEF(quant_vnni);
+  MSTAR_DEF(quant_linear);
+  MSTAR_DEF(quant_dequantize_);
 #undef MSTAR_DEF
 }
 

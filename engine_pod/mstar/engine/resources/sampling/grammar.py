@@ -120,17 +120,21 @@ class GrammarBackend:
         """The compiled grammar (cached by xgrammar); `InvalidGrammar` when it cannot be built."""
         compiler = self._get_compiler()
         if spec.kind == "json_object":
-            return compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False
-            )
+            schema, strict = '{"type": "object"}', False
+        else:
+            schema, strict = spec.schema, spec.strict
         try:
-            check_supported(json.loads(spec.schema))
+            check_supported(json.loads(schema))
+            if spec.calls:
+                check_supported(json.loads(spec.calls))
         except json.JSONDecodeError as exc:
             raise InvalidGrammar(f"the schema is not JSON: {exc}") from exc
         try:
-            return compiler.compile_json_schema(
-                spec.schema, any_whitespace=False, strict_mode=spec.strict
-            )
+            if not spec.calls:
+                return compiler.compile_json_schema(
+                    schema, any_whitespace=False, strict_mode=strict
+                )
+            return compiler.compile_grammar(_content_or_calls(schema, strict, spec))
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors for bad / unsupported input
             raise InvalidGrammar(_xgrammar_message(exc)) from exc
 
@@ -143,6 +147,21 @@ class GrammarBackend:
         import xgrammar
 
         return xgrammar.allocate_token_bitmask(rows, self.vocab_size)
+
+
+def _content_or_calls(schema: str, strict: bool, spec: GrammarSpec) -> xgrammar.Grammar:
+    """Either the content schema, or 1..`max_calls` Hermes blocks (``<tool_call>`` newline,
+    one call as JSON, newline ``</tool_call>``), the format `server.tools` reads calls in."""
+    from xgrammar import Grammar
+
+    content = Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    call = Grammar.concat(
+        Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+        Grammar.from_json_schema(spec.calls, any_whitespace=False, strict_mode=True),
+        Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
+    )
+    runs = [Grammar.concat(*[call] * n) if n > 1 else call for n in range(1, spec.max_calls + 1)]
+    return Grammar.union(content, *runs)
 
 
 def _xgrammar_message(exc: Exception) -> str:
