@@ -2,8 +2,9 @@
 # A local Kubernetes control plane for the operator's tests and the README walkthrough.
 #
 #   scripts/cluster.sh build   build the pinned binaries once into ~/.cache/mstar/k8s (Go modules)
-#   scripts/cluster.sh build-tools [epp|jaeger|adapter]...   build the endpoint picker, Jaeger and
-#                              prometheus-adapter the observability tests run (same cache)
+#   scripts/cluster.sh build-tools [epp|jaeger|adapter|lws]...   build the endpoint picker, Jaeger,
+#                              prometheus-adapter and the LeaderWorkerSet controller the tests run
+#                              (same cache; lws also copies its CRDs and webhook manifests)
 #   scripts/cluster.sh up      build if needed, then start etcd, kube-apiserver, controller-manager,
 #                              scheduler and kwok (two fake nodes, one with nvidia.com/gpu) on loopback
 #   scripts/cluster.sh env     print `export KUBECONFIG=...` for the running cluster
@@ -29,6 +30,7 @@ GATEWAY_API_VERSION=v1.5.0  # Gateway API: HTTPRoute and friends
 EPP_VERSION="$GIE_VERSION"  # the Inference Extension's endpoint picker, cmd/epp of the same module
 JAEGER_VERSION=v1.75.0      # newer tags are not served at this module path
 ADAPTER_VERSION=v0.12.0     # prometheus-adapter; v0.13.0 and @latest are refused by the proxy
+LWS_VERSION=v0.9.0          # LeaderWorkerSet (multi-node replicas); served by exact version only
 
 CACHE="${MSTAR_K8S_CACHE:-$HOME/.cache/mstar/k8s}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -124,7 +126,8 @@ tool_dir() {
         epp) echo "$CACHE/epp-$EPP_VERSION" ;;
         jaeger) echo "$CACHE/jaeger-$JAEGER_VERSION" ;;
         adapter) echo "$CACHE/prometheus-adapter-$ADAPTER_VERSION" ;;
-        *) die "no tool $1 (epp, jaeger, adapter)" ;;
+        lws) echo "$CACHE/lws-$LWS_VERSION" ;;
+        *) die "no tool $1 (epp, jaeger, adapter, lws)" ;;
     esac
 }
 
@@ -166,6 +169,21 @@ build_adapter() {
         sigs.k8s.io/prometheus-adapter/cmd/adapter ""
 }
 
+# The LeaderWorkerSet controller (cmd of sigs.k8s.io/lws), plus what its module ships for an
+# install: the CRDs (config/crd/bases) and the webhook configurations (config/webhook) in config/.
+build_lws() {
+    local out dir
+    out="$(tool_dir lws)"
+    build_tool lws "sigs.k8s.io/lws@$LWS_VERSION" sigs.k8s.io/lws/cmd \
+        "-X sigs.k8s.io/lws/pkg/version.GitVersion=$LWS_VERSION"
+    [ -f "$out/config/.complete" ] && return 0
+    dir="$(cd "$out/src" && go list -m -f '{{.Dir}}' sigs.k8s.io/lws)"
+    rm -rf "$out/config" && mkdir -p "$out/config"
+    cp -r "$dir/config/crd/bases" "$out/config/crds"
+    cp -r "$dir/config/webhook" "$out/config/webhook"
+    chmod -R u+w "$out/config" && touch "$out/config/.complete"
+}
+
 # Print a directory with the InferencePool and Gateway API CRDs (from their Go modules).
 cmd_crds() {
     local out="$CACHE/crds-gie-$GIE_VERSION-gateway-$GATEWAY_API_VERSION" gie gw
@@ -200,11 +218,11 @@ cmd_build() {
     log "binaries ready in $CACHE ($((SECONDS - t0)) s)"
 }
 
-# The endpoint picker, Jaeger and prometheus-adapter (or the ones named: epp jaeger adapter);
-# prints NAME=BIN_FOLDER for each.
+# The endpoint picker, Jaeger, prometheus-adapter and LWS (or the ones named: epp jaeger adapter
+# lws); prints NAME=BIN_FOLDER for each.
 cmd_build_tools() {
     local t part parts=("$@")
-    [ $# -gt 0 ] || parts=(epp jaeger adapter)
+    [ $# -gt 0 ] || parts=(epp jaeger adapter lws)
     for part in "${parts[@]}"; do
         tool_dir "$part" >/dev/null
         t=$SECONDS

@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 
 def tool_bin(tool: str) -> Path:
-    """The bin folder of `tool` (epp, jaeger, adapter), built first if the cache lacks it."""
+    """The bin folder of `tool` (epp, jaeger, adapter, lws), built first if the cache lacks it."""
     require_tool("go")
     proc = subprocess.run(
         ["bash", str(CLUSTER_SH), "build-tools", tool],

@@ -12,5 +12,5 @@ def test_an_unknown_tool_is_refused_by_name() -> None:
         ["bash", str(CLUSTER_SH), "build-tools", "keda"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 1
-    assert "no tool keda (epp, jaeger, adapter)" in proc.stderr
+    assert "no tool keda (epp, jaeger, adapter, lws)" in proc.stderr
     assert proc.stdout == ""  # nothing built, no bin folder printed

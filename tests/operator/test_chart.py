@@ -102,6 +102,7 @@ def test_rbac_is_least_privilege() -> None:
                 ("inference.networking.k8s.io", "inferencepools"),
                 ("gateway.networking.k8s.io", "httproutes"),
                 ("keda.sh", "scaledobjects"),
+                ("leaderworkerset.x-k8s.io", "leaderworkersets"),
             )
             for verb in MANAGED
         ),

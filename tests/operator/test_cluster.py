@@ -66,6 +66,16 @@ def wait_ready(cp: ControlPlane, name: str, namespace: str, replicas: int) -> di
     return wait_for(ready, f"{namespace}/{name} Ready with {replicas} replicas", WAIT)
 
 
+def rollout_complete(cr: dict[str, Any] | None) -> bool:
+    """Ready on the current generation, and the rollout to it done."""
+    return bool(
+        cr
+        and cr["status"].get("observedGeneration") == cr["metadata"]["generation"]
+        and condition(cr, "Ready").get("status") == "True"
+        and condition(cr, "Progressing").get("reason") == "RolloutComplete"
+    )
+
+
 def wait_condition(cp: ControlPlane, name: str, namespace: str, kind: str, **want: str) -> Any:
     """The CR once its `kind` condition has each field in `want` (`message`: a substring)."""
 
@@ -336,13 +346,7 @@ def test_kubectl_scale_rollout_and_disruption_budget(
         current = pods(cp, "smollm2-cpu", namespace)
         least_ready = min(least_ready, sum(is_ready(p) for p in current))
         surge_seen |= len([p for p in current if not p["metadata"].get("deletionTimestamp")]) > 2
-        cr = cp.get("msd", "smollm2-cpu", namespace)
-        if (
-            cr
-            and cr["status"].get("observedGeneration") == cr["metadata"]["generation"]
-            and condition(cr, "Ready").get("status") == "True"
-            and condition(cr, "Progressing").get("reason") == "RolloutComplete"
-        ):
+        if rollout_complete(cp.get("msd", "smollm2-cpu", namespace)):
             break
         time.sleep(0.2)
     else:

@@ -70,6 +70,7 @@ def test_every_engine_knob_reaches_the_flags() -> None:
         max_waiting_requests=32,
         shutdown_grace_seconds=90.0,
         seed=7,
+        tensor_parallel_size=2,
     )
     assert got == want
     dep = deployment_for(CRS / "valid-image-path.yaml")

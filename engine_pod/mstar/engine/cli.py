@@ -62,6 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         config = from_namespace(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if config.tensor_parallel_size > 1:
+        # The operator renders the layout already; the sharded model and its executor do not
+        # exist yet (issue 47). Refuse plainly rather than serve on one device of several.
+        print(
+            f"mstar-engine: error: --tensor-parallel-size {config.tensor_parallel_size}: tensor "
+            "parallelism is not implemented in this engine yet; serve with "
+            "--tensor-parallel-size 1 (and --nnodes 1)",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

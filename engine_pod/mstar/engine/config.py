@@ -167,6 +167,36 @@ class EngineConfig:
             "kernels."
         ),
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_flag(
+            "Ranks one replica's model is sharded over (tensor parallelism), one per GPU, spread "
+            "evenly over --nnodes pods. Not implemented in the engine yet: serve refuses a size "
+            "above 1 (the operator already renders it)."
+        ),
+    )
+    nnodes: int = field(
+        default=1,
+        metadata=_flag(
+            "Pods (nodes) one replica's ranks run on; the one with --node-rank 0 serves HTTP, "
+            "the others join its process group."
+        ),
+    )
+    node_rank: int | None = field(
+        default=None,
+        metadata=_flag(
+            "This pod's index among --nnodes (0, the default: the leader). In a LeaderWorkerSet "
+            "the operator passes $(LWS_WORKER_INDEX)."
+        ),
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata=_flag(
+            "HOST:PORT where the ranks of a multi-node replica meet (the leader's "
+            "torch.distributed store); required with --nnodes above 1. In a LeaderWorkerSet the "
+            "operator passes $(LWS_LEADER_ADDRESS):29500."
+        ),
+    )
 
     def __post_init__(self) -> None:
         problems = self.validate()
@@ -195,6 +225,7 @@ class EngineConfig:
                 problems.append(f"--{_dash(name)} must be >= 0")
         if any(bs < 1 for bs in self.cuda_graph_batch_sizes):
             problems.append("--cuda-graph-batch-sizes must all be >= 1")
+        problems += self._parallel_problems()
         for name, allowed in (
             ("dtype", DTYPES),
             ("device", DEVICES),
@@ -204,6 +235,25 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_dash(name)} must be one of {', '.join(allowed)}")
+        return problems
+
+    def _parallel_problems(self) -> list[str]:
+        if self.tensor_parallel_size < 1 or self.nnodes < 1:
+            return ["--tensor-parallel-size and --nnodes must be >= 1"]
+        problems: list[str] = []
+        if self.tensor_parallel_size % self.nnodes:
+            problems.append(
+                f"--tensor-parallel-size ({self.tensor_parallel_size}) must be a multiple of "
+                f"--nnodes ({self.nnodes}): every pod runs the same number of ranks"
+            )
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            problems.append(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            problems.append("--dist-init-addr is required with --nnodes above 1")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                problems.append(f"--dist-init-addr must be HOST:PORT (got {self.dist_init_addr!r})")
         return problems
 
 

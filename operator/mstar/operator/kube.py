@@ -25,6 +25,7 @@ CUSTOM_KINDS = {
     "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
     "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
     "ScaledObject": ("keda.sh", "v1alpha1", "scaledobjects"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
 }
 
 

@@ -33,6 +33,8 @@ ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 ENGINE_TYPE = "mstar"
 ENGINE_CONTAINER = "engine"
 CONFIG_HASH_ANNOTATION = "mstar.dev/config-hash"
+#: leader | worker on the pods of a LeaderWorkerSet group (spec.parallelism.nodesPerReplica > 1).
+ROLE_LABEL = "mstar.dev/role"
 RUN_AS_USER = 1000
 #: After the preStop wait and the drain grace: aiohttp's cut-off, engine stop, process exit.
 TERMINATION_MARGIN_SECONDS = 10
@@ -54,8 +56,16 @@ def selector_labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "mstar-engine", INSTANCE_LABEL: name}
 
 
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+def serving_selector(name: str, spec: MStarSpec | None) -> dict[str, str]:
+    """The pods that serve HTTP (Service, InferencePool, the HPA's per-pod metric): every engine
+    pod, or only the group leaders where a replica spans several pods."""
+    if spec is not None and spec.nodes_per_replica > 1:
+        return {**selector_labels(name), ROLE_LABEL: "leader"}
+    return selector_labels(name)
+
+
+def selector_string(name: str, spec: MStarSpec | None = None) -> str:
+    return ",".join(f"{k}={v}" for k, v in serving_selector(name, spec).items())
 
 
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
@@ -160,8 +170,33 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def build_deployment(
     name: str, namespace: str, uid: str, spec: MStarSpec, config_map: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The engine pods of a one-pod replica (several pods per replica: lws.py)."""
+    if spec.nodes_per_replica > 1:
+        return None
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(name, namespace, name, uid),
+        "spec": {
+            "replicas": int(spec["replicas"]),
+            "selector": {"matchLabels": selector_labels(name)},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1800,
+            # Never drop serving capacity during a rollout; a new pod must be Ready first.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": engine_pod_template(name, namespace, spec, config_map),
+        },
+    }
+
+
+def engine_pod_template(
+    name: str, namespace: str, spec: MStarSpec, config_map: dict[str, Any]
 ) -> dict[str, Any]:
-    """Engine pods: GPU limits, flags from EngineConfig, probes, scrape annotations, OTEL env."""
+    """An engine pod: GPU limits, flags from EngineConfig, probes, scrape annotations, OTEL env."""
     res = spec["resources"]
     gpus = int(res["gpus"])
     requests: dict[str, Any] = {"cpu": cpu_quantity(res["cpu"]), "memory": str(res["memory"])}
@@ -282,40 +317,24 @@ def build_deployment(
         "volumeMounts": mounts,
     }
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": child_metadata(name, namespace, name, uid),
+        "metadata": {"labels": pod_labels(name), "annotations": annotations},
         "spec": {
-            "replicas": int(spec["replicas"]),
-            "selector": {"matchLabels": selector_labels(name)},
-            "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": 1800,
-            # Never drop serving capacity during a rollout; a new pod must be Ready first.
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS_USER,
+                "runAsGroup": RUN_AS_USER,
+                "fsGroup": RUN_AS_USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
             },
-            "template": {
-                "metadata": {"labels": pod_labels(name), "annotations": annotations},
-                "spec": {
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": RUN_AS_USER,
-                        "runAsGroup": RUN_AS_USER,
-                        "fsGroup": RUN_AS_USER,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "initContainers": init_containers,
-                    "containers": [container],
-                    "volumes": volumes,
-                    "nodeSelector": scheduling.get("nodeSelector") or None,
-                    "tolerations": scheduling.get("tolerations") or None,
-                    "priorityClassName": scheduling.get("priorityClassName") or None,
-                },
-            },
+            "initContainers": init_containers,
+            "containers": [container],
+            "volumes": volumes,
+            "nodeSelector": scheduling.get("nodeSelector") or None,
+            "tolerations": scheduling.get("tolerations") or None,
+            "priorityClassName": scheduling.get("priorityClassName") or None,
         },
     }
 
@@ -335,7 +354,11 @@ def termination_grace_seconds(spec: MStarSpec) -> int:
 
 
 def build_pdb(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any] | None:
-    """With several replicas, voluntary disruptions (node drains) take one engine pod at a time."""
+    """With several replicas, voluntary disruptions (node drains) take one replica at a time.
+
+    A replica of several pods is one LeaderWorkerSet group: losing any of its pods restarts the
+    whole group, so the budget is one group's pods (an eviction in a second group is refused
+    while the first is down; more in the same group cost nothing)."""
     if int(spec["replicas"]) <= 1:
         return None
     return {
@@ -343,7 +366,7 @@ def build_pdb(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str,
         "kind": "PodDisruptionBudget",
         "metadata": child_metadata(name, namespace, name, uid),
         "spec": {
-            "maxUnavailable": 1,
+            "maxUnavailable": spec.nodes_per_replica,
             "selector": {"matchLabels": selector_labels(name)},
             # A pod that is not ready serves nothing: evicting it must never block a drain.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
@@ -359,7 +382,7 @@ def build_service(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[
         "metadata": child_metadata(name, namespace, name, uid),
         "spec": {
             "type": service["type"],
-            "selector": selector_labels(name),
+            "selector": serving_selector(name, spec),
             "ports": [
                 {
                     "name": "http",
@@ -383,91 +406,6 @@ def quantity(value: float) -> str:
     if float(value).is_integer():
         return str(int(value))
     return f"{round(float(value) * 1000)}m"
-
-
-def build_hpa(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any] | None:
-    """Scales the MStarDeployment itself (scale subresource), so spec.replicas stays the truth."""
-    auto = spec.autoscaling
-    if not auto or auto["mode"] != "hpa":
-        return None
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": child_metadata(name, namespace, name, uid),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
-            "minReplicas": int(auto["minReplicas"]),
-            "maxReplicas": int(auto["maxReplicas"]),
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": str(auto["metricName"])},
-                        "target": {
-                            "type": "AverageValue",
-                            "averageValue": quantity(auto["targetWaitingRequestsPerReplica"]),
-                        },
-                    },
-                }
-            ],
-        },
-    }
-
-
-def promql_selector(name: str, namespace: str) -> str:
-    """The label matchers of this deployment's engine series in Prometheus."""
-    return f'namespace="{namespace}",{INSTANCE_METRIC_LABEL}="{name}"'
-
-
-def keda_queries(name: str, namespace: str) -> dict[str, str]:
-    """The ScaledObject's PromQL: waiting requests, and running + waiting (busy) requests."""
-    sel = promql_selector(name, namespace)
-    waiting = f"sum(mstar:num_requests_waiting{{{sel}}})"
-    return {"waiting": waiting, "busy": f"sum(mstar:num_requests_running{{{sel}}}) + {waiting}"}
-
-
-def build_scaled_object(
-    name: str, namespace: str, uid: str, spec: MStarSpec
-) -> dict[str, Any] | None:
-    """KEDA scales the MStarDeployment (0 <-> 1 itself, beyond that through its own HPA)."""
-    auto = spec.autoscaling
-    if not auto or auto["mode"] != "keda":
-        return None
-    keda = auto["keda"]
-    queries = keda_queries(name, namespace)
-
-    def trigger(kind: str, threshold: float) -> dict[str, Any]:
-        return {
-            "type": "prometheus",
-            "name": kind,
-            "metricType": "AverageValue",
-            "metadata": {
-                "serverAddress": str(keda["prometheusAddress"]),
-                "query": queries[kind],
-                "threshold": quantity(threshold),
-                "activationThreshold": "0",
-                "ignoreNullValues": "true",
-            },
-        }
-
-    triggers = [
-        trigger("waiting", float(auto["targetWaitingRequestsPerReplica"])),
-        trigger("busy", float(spec.engine["maxNumSeqs"])),
-        *(dict(t) for t in keda.get("extraTriggers") or []),
-    ]
-    return {
-        "apiVersion": "keda.sh/v1alpha1",
-        "kind": "ScaledObject",
-        "metadata": child_metadata(name, namespace, name, uid),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
-            "minReplicaCount": int(auto["minReplicas"]),
-            "maxReplicaCount": int(auto["maxReplicas"]),
-            "pollingInterval": int(keda["pollingIntervalSeconds"]),
-            "cooldownPeriod": int(keda["cooldownSeconds"]),
-            "triggers": triggers,
-        },
-    }
 
 
 class Child(NamedTuple):

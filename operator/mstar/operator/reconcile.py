@@ -16,6 +16,7 @@ from typing import Any
 from . import manifests
 from .children import build_children
 from .kube import Kube, KubeError, MissingAPI
+from .lws import lws_name
 from .router import DEFAULT_EPP_CLUSTER_ROLE
 from .spec import KIND, InvalidSpec, MStarSpec, parse_spec
 
@@ -84,8 +85,10 @@ def compute_status(
     spec: MStarSpec | None,
     problems: list[str] | None = None,
     failure: str | None = None,
+    failure_reason: str = "ReconcileFailed",
 ) -> dict[str, Any]:
-    """The CR's status from the live Deployment and what went wrong in this pass, if anything."""
+    """The CR's status from the live workload (its Deployment, or its LeaderWorkerSet, whose
+    status counts groups under the same field names) and what went wrong in this pass."""
     meta = cr["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     generation = int(meta.get("generation") or 1)
@@ -103,7 +106,9 @@ def compute_status(
     rolled = deployment is not None and observed >= dep_generation and dep_generation > 0
 
     if deployment is None:
-        ready_c = (False, "DeploymentMissing", "the engine Deployment does not exist yet")
+        multi = spec is not None and spec.nodes_per_replica > 1
+        kind = "LeaderWorkerSet" if multi else "Deployment"
+        ready_c = (False, f"{kind}Missing", f"the engine {kind} does not exist yet")
     elif desired == 0:
         ready_c = (False, "ScaledToZero", "spec.replicas is 0")
     elif ready >= desired and updated >= desired and rolled:
@@ -127,7 +132,7 @@ def compute_status(
     if problems:
         degraded_c = (True, "InvalidSpec", "; ".join(problems))
     elif failure:
-        degraded_c = (True, "ReconcileFailed", failure)
+        degraded_c = (True, failure_reason, failure)
     elif stalled.get("status") == "False" and stalled.get("reason") == "ProgressDeadlineExceeded":
         degraded_c = (True, "ProgressDeadlineExceeded", str(stalled.get("message", "")))
     elif replica_failure.get("status") == "True":
@@ -141,7 +146,9 @@ def compute_status(
         "replicas": replicas,
         "readyReplicas": ready,
         "updatedReplicas": updated,
-        "selector": manifests.selector_string(name),
+        "selector": manifests.selector_string(name, spec)
+        if spec is not None
+        else old_status.get("selector") or manifests.selector_string(name),
         "endpoint": f"http://{name}.{namespace}.svc:{port}"
         if port
         else old_status.get("endpoint", ""),
@@ -212,6 +219,7 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any], epp_cluster_role: str) -> 
     out = Outcome()
     problems: list[str] | None = None
     failure: str | None = None
+    reason = "ReconcileFailed"
     spec: MStarSpec | None = None
     try:
         spec = parse_spec(cr.get("spec"))
@@ -220,29 +228,38 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any], epp_cluster_role: str) -> 
     deployment: dict[str, Any] | None = None
     try:
         if spec is not None:
-            _publish_selector(kube, name, namespace, old_status)
+            _publish_selector(kube, name, namespace, old_status, spec)
             rollout = int(meta.get("generation") or 1) != old_status.get("observedGeneration")
-            conflicts: list[str] = []
+            conflicts: list[KubeError | OwnershipConflict] = []
+            workload_failed = False
             for child in build_children(name, namespace, uid, spec, epp_cluster_role):
+                workload = (child.kind, child.name) in _workloads(name)
+                if workload and child.desired is None and workload_failed:
+                    continue  # the new workload could not be made: the old one keeps serving
                 try:
                     live = _apply_child(kube, child, name, uid, namespace, rollout, out)
                 except (OwnershipConflict, MissingAPI) as exc:
                     # In status, not retried: a resync or the user's fix heals it. Keep going.
-                    conflicts.append(str(exc))
+                    conflicts.append(exc)
                     live = None
-                if (child.kind, child.name) == ("Deployment", name):
+                    workload_failed |= workload
+                if workload and child.desired is not None:
                     deployment = live
-            failure = "; ".join(conflicts) or None
+            failure = "; ".join(str(c) for c in conflicts) or None
+            if conflicts and all(isinstance(c, MissingAPI) for c in conflicts):
+                reason = "MissingAPI"
         else:
-            deployment = _own_deployment(kube, namespace, name, uid)
+            deployment = _own_workload(kube, namespace, name, uid)
     except KubeError as exc:
         failure = str(exc)
         out.failed = True
         try:
-            deployment = _own_deployment(kube, namespace, name, uid)
+            deployment = _own_workload(kube, namespace, name, uid)
         except KubeError:
             deployment = None
-    status = compute_status(cr, deployment, spec=spec, problems=problems, failure=failure)
+    status = compute_status(
+        cr, deployment, spec=spec, problems=problems, failure=failure, failure_reason=reason
+    )
     out.events += _status_events(old_status, status)
     out.status = status
     if not _same_status(old_status, status):
@@ -250,19 +267,32 @@ def _reconcile_locked(kube: Kube, cr: dict[str, Any], epp_cluster_role: str) -> 
     return out
 
 
-def _publish_selector(kube: Kube, name: str, namespace: str, old_status: dict[str, Any]) -> None:
+def _publish_selector(
+    kube: Kube, name: str, namespace: str, old_status: dict[str, Any], spec: MStarSpec
+) -> None:
     """Write status.selector before any child exists: the HPA reads it through the scale
     subresource and answers `SelectorRequired` while it is empty."""
-    selector = manifests.selector_string(name)
+    selector = manifests.selector_string(name, spec)
     if old_status.get("selector") != selector:
         kube.patch_cr_status(namespace, name, {"selector": selector})
         old_status["selector"] = selector
 
 
-def _own_deployment(kube: Kube, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
-    live = kube.get("Deployment", namespace, name)
-    owner = controller_of(live) if live else None
-    return live if owner and owner.get("uid") == uid else None
+def _workloads(name: str) -> tuple[tuple[str, str], ...]:
+    """(kind, name) of the children that own the engine pods: the Deployment of one-pod
+    replicas, the LeaderWorkerSet of multi-pod ones (not the endpoint picker's Deployment)."""
+    return (("Deployment", name), ("LeaderWorkerSet", lws_name(name)))
+
+
+def _own_workload(kube: Kube, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+    """The live Deployment or LeaderWorkerSet this CR controls (with an invalid spec the last
+    good one keeps serving)."""
+    for kind, child in _workloads(name):
+        live = kube.get(kind, namespace, child)
+        owner = controller_of(live) if live else None
+        if owner and owner.get("uid") == uid:
+            return live
+    return None
 
 
 class OwnershipConflict(Exception):

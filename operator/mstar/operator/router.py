@@ -25,7 +25,7 @@ from .manifests import (
     container_security,
     cpu_quantity,
     owner_reference,
-    selector_labels,
+    serving_selector,
 )
 from .spec import ENGINE_PORT, MStarSpec
 
@@ -134,7 +134,7 @@ def build_inference_pool(name: str, namespace: str, uid: str, spec: MStarSpec) -
         "kind": "InferencePool",
         "metadata": child_metadata(name, namespace, name, uid),
         "spec": {
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": serving_selector(name, spec)},
             "targetPorts": [{"number": ENGINE_PORT}],
             "appProtocol": "http",
             "endpointPickerRef": {

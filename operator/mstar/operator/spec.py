@@ -24,6 +24,13 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 ENGINE_PORT = 8000  # inside the pod; the Service maps spec.service.port onto it
 MODEL_MOUNT = "/models"
+#: Where the ranks of a multi-node replica meet: torch.distributed's store on the leader pod.
+DIST_PORT = 29500
+#: What the LeaderWorkerSet controller's pod webhook puts in every container's environment
+#: (sigs.k8s.io/lws api/leaderworkerset/v1): the leader's DNS name, this pod's index in its
+#: group (0: the leader); the kubelet expands `$(NAME)` in container args from it.
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 
 # Same values as the CRD's `default:` keywords (tests/operator/test_crd_schema.py compares).
 DEFAULTS: dict[str, Any] = {
@@ -59,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "service": {"type": "ClusterIP", "port": 8000},
     "drain": {"quietSeconds": 5, "preStopTimeoutSeconds": 30},
     "scheduling": {},
+    "parallelism": {"tensorParallelSize": 1, "nodesPerReplica": 1},
 }
 AUTOSCALING_DEFAULTS: dict[str, Any] = {
     "mode": "hpa",
@@ -172,6 +180,11 @@ class MStarSpec:
         return dict(value) if value else None
 
     @property
+    def nodes_per_replica(self) -> int:
+        """Pods of one replica: above 1 the replica is a LeaderWorkerSet group."""
+        return int(self.raw["parallelism"]["nodesPerReplica"])
+
+    @property
     def router(self) -> dict[str, Any] | None:
         value = self.raw.get("router")
         return dict(value) if value else None
@@ -225,6 +238,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
                 f"numPages*pageSize = {capacity} tokens: one request could never be admitted"
             )
     resources = raw["resources"]
+    problems += _layout_problems(raw["parallelism"], int(resources["gpus"]))
     try:
         memory = quantity_bytes(resources["memory"])
         offload = float(engine["hostOffloadGiB"]) * 2**30
@@ -243,6 +257,23 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
     if problems:
         raise InvalidSpec(problems)
     return MStarSpec(raw)
+
+
+def _layout_problems(parallel: dict[str, Any], gpus: int) -> list[str]:
+    """One rank per GPU: the pods of a replica hold exactly tensorParallelSize GPUs (on CPU,
+    gpus 0, each pod runs the same number of ranks)."""
+    tp, nodes = int(parallel["tensorParallelSize"]), int(parallel["nodesPerReplica"])
+    if gpus > 0 and gpus * nodes != tp:
+        return [
+            f"spec.parallelism: resources.gpus ({gpus}) x nodesPerReplica ({nodes}) = "
+            f"{gpus * nodes} GPUs per replica, but tensorParallelSize is {tp} (one rank per GPU)"
+        ]
+    if gpus == 0 and tp % nodes:
+        return [
+            f"spec.parallelism: tensorParallelSize ({tp}) is not a multiple of nodesPerReplica "
+            f"({nodes}): every pod of a replica runs the same number of ranks"
+        ]
+    return []
 
 
 def _autoscaling_problems(auto: dict[str, Any]) -> list[str]:
@@ -290,11 +321,16 @@ def engine_config(spec: MStarSpec) -> EngineConfig:
         if name in values:
             values[name] = float(values[name])
     gpus = int(spec["resources"]["gpus"])
+    nodes = spec.nodes_per_replica
     return EngineConfig(
         model=model_path(spec),
         served_model_name=str(spec.model["name"]),
         host="0.0.0.0",
         port=ENGINE_PORT,
         device="cuda" if gpus > 0 else "cpu",
+        tensor_parallel_size=int(spec["parallelism"]["tensorParallelSize"]),
+        nnodes=nodes,
+        # The same for every pod of a group; the pod's own rank is added per pod (lws.py).
+        dist_init_addr=f"$({LWS_LEADER_ADDRESS}):{DIST_PORT}" if nodes > 1 else None,
         **values,
     )
