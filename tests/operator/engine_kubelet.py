@@ -107,6 +107,8 @@ class Stopped:
 
 @dataclass
 class EngineKubelet:
+    """Polls the CR's pods every 0.5 s (a thread) while entered; stops every engine on exit."""
+
     cp: ControlPlane
     name: str  # the MStarDeployment
     namespace: str
@@ -142,7 +144,7 @@ class EngineKubelet:
         return names[-1] if names else f"? {endpoint}"
 
     def serving(self) -> list[str]:
-        return [n for n in self.engines if n not in self._stopping]
+        return [n for n in list(self.engines) if n not in self._stopping]
 
     def _run(self) -> None:
         while not self._stop.is_set():
