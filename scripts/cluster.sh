@@ -335,7 +335,26 @@ running() { [ -f "$STATE/pids/$1" ] && kill -0 "$(cat "$STATE/pids/$1")" 2>/dev/
 # Our pod lifecycle for kwok: scheduled -> Running but not Ready (the engine loading its model)
 # -> Ready after $KWOK_READY_DELAY_MS; a deleted pod goes after 1 s. On kwok's fast stages a pod
 # is Ready the instant it exists, so no PDB or rollout test on such nodes would mean anything.
+# A pod annotated $READY_GATE at its creation is Ready only on its engine's word instead: once
+# it also carries $ENGINE_READY="true", which a test sets when the real engine on the pod's
+# address answers /ready (what the kubelet's readiness probe would see).
+READY_GATE=mstar.test/ready-gate
+ENGINE_READY=mstar.test/engine-ready
 write_pod_stages() {
+    local ready_status='
+      {{ $now := Now }}
+      conditions:
+      - {type: ContainersReady, status: "True", lastTransitionTime: {{ $now | Quote }}}
+      - {type: Ready, status: "True", lastTransitionTime: {{ $now | Quote }}}
+      containerStatuses:
+      {{ range .status.containerStatuses }}
+      - name: {{ .name | Quote }}
+        image: {{ .image | Quote }}
+        ready: true
+        started: true
+        restartCount: 0
+        state: {running: {startedAt: {{ .state.running.startedAt | Quote }}}}
+      {{ end }}'
     cat >"$STATE/pod-stages.yaml" <<EOF
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
@@ -382,23 +401,28 @@ spec:
     - {key: .metadata.deletionTimestamp, operator: DoesNotExist}
     - {key: .status.phase, operator: In, values: [Running]}
     - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: In, values: ["False"]}
+    - {key: '.metadata.annotations["$READY_GATE"]', operator: DoesNotExist}
   delay: {durationMilliseconds: $KWOK_READY_DELAY_MS}
   next:
     event: {type: Normal, reason: Ready, message: "Readiness probe passed (kwok)"}
-    statusTemplate: |
-      {{ \$now := Now }}
-      conditions:
-      - {type: ContainersReady, status: "True", lastTransitionTime: {{ \$now | Quote }}}
-      - {type: Ready, status: "True", lastTransitionTime: {{ \$now | Quote }}}
-      containerStatuses:
-      {{ range .status.containerStatuses }}
-      - name: {{ .name | Quote }}
-        image: {{ .image | Quote }}
-        ready: true
-        started: true
-        restartCount: 0
-        state: {running: {startedAt: {{ .state.running.startedAt | Quote }}}}
-      {{ end }}
+    statusTemplate: |$ready_status
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: mstar-pod-engine-ready
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: .metadata.deletionTimestamp, operator: DoesNotExist}
+    - {key: .status.phase, operator: In, values: [Running]}
+    - {key: '.status.conditions.[] | select( .type == "Ready" ) | .status', operator: In, values: ["False"]}
+    - {key: '.metadata.annotations["$READY_GATE"]', operator: Exists}
+    - {key: '.metadata.annotations["$ENGINE_READY"]', operator: In, values: ["true"]}
+  next:
+    event: {type: Normal, reason: Ready, message: "Readiness probe passed (its engine answered /ready)"}
+    statusTemplate: |$ready_status
 ---
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage

@@ -14,7 +14,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +131,67 @@ class Gateway:
         for r in results:
             assert not check or not r.get("error"), f"{r}\npicker log:\n{self.picker.log()[-3000:]}"
         return results
+
+
+@dataclass
+class Routed:
+    """One request through the picker: when it was sent and answered, where, and how."""
+
+    sent: float
+    done: float
+    engine: str
+    status: int
+    error: str
+    body: str
+
+
+class Traffic:
+    """``threads`` senders, each one request at a time through the gateway, until stopped.
+
+    ``name_of`` names the engine behind a picked endpoint; ``body(worker, n)`` is the request.
+    """
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        name_of: Callable[[str], str],
+        body: Callable[[int, int], dict[str, Any]],
+        threads: int = 2,
+    ) -> None:
+        self.gateway, self.name_of, self.body = gateway, name_of, body
+        self.results: list[Routed] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            sent = time.monotonic()
+            (r,) = self.gateway.send([self.body(worker, n)], check=False)
+            engine = self.name_of(r["endpoint"]) if r.get("endpoint") else "-"
+            status, error, text = r.get("status", 0), r.get("error", ""), r.get("body", "")
+            self.results.append(Routed(sent, time.monotonic(), engine, status, error, text))
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def wait_first(self, timeout: float = 120) -> Routed:
+        deadline = time.monotonic() + timeout
+        while not self.results:
+            assert time.monotonic() < deadline, "no request made it through the picker"
+            time.sleep(0.1)
+        return self.results[0]
+
+    def picks(self, engine: str, start: float, end: float = float("inf")) -> list[Routed]:
+        return [r for r in self.results if r.engine == engine and start <= r.sent < end]
 
 
 def repo_env() -> dict[str, str]:

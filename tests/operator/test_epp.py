@@ -61,6 +61,36 @@ def routed_cr() -> dict[str, Any]:
     return doc
 
 
+def install_crds(cp: ControlPlane) -> None:
+    """The Inference Extension's CRDs (InferencePool) and the Gateway API's, once established."""
+    crds = subprocess.run(
+        ["bash", str(CLUSTER_SH), "crds"], capture_output=True, text=True, check=True, timeout=600
+    ).stdout.strip()
+    cp.kubectl("apply", "--server-side", "-f", crds)
+    cp.kubectl("wait", "--for=condition=Established",
+               "crd/inferencepools.inference.networking.k8s.io")  # fmt: skip
+
+
+def start_picker(cp: ControlPlane, namespace: str, logs: Path) -> tuple[Picker, Path]:
+    """The picker of the routed CR as its rendered Deployment and ConfigMap run it; its bin dir."""
+    bin_dir = tool_bin("epp")
+    epp_bin = bin_dir / "epp"
+    version = module_version(epp_bin, "sigs.k8s.io/gateway-api-inference-extension")
+    print(f"\nendpoint picker: {epp_bin} (gateway-api-inference-extension {version})")
+    assert version == EPP_VERSION
+    epp = router.epp_name(NAME)
+    deployment = wait_until(lambda: cp.get("deployment", epp, namespace), "the EPP", WAIT)
+    config_map = cp.get("configmap", epp, namespace)
+    assert config_map is not None
+    config = config_map["data"][router.EPP_CONFIG_FILE]
+    kubeconfig = cp.token_kubeconfig(epp, namespace, logs / "epp.kubeconfig")
+    return Picker(epp_bin, deployment, config, kubeconfig, logs), bin_dir
+
+
+def module_namespace(request: pytest.FixtureRequest) -> str:
+    return request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+
+
 @pytest.fixture(scope="module")
 def pool(
     control_plane: ControlPlane,
@@ -70,33 +100,17 @@ def pool(
 ) -> Iterator[Pool]:
     """Per module that uses it (test_epp_faults.py too), in a namespace of its own."""
     cp = control_plane
-    bin_dir = tool_bin("epp")
-    epp_bin = bin_dir / "epp"
-    version = module_version(epp_bin, "sigs.k8s.io/gateway-api-inference-extension")
-    print(f"\nendpoint picker: {epp_bin} (gateway-api-inference-extension {version})")
-    assert version == EPP_VERSION
-    crds = subprocess.run(
-        ["bash", str(CLUSTER_SH), "crds"], capture_output=True, text=True, check=True, timeout=600
-    ).stdout.strip()
-    cp.kubectl("apply", "--server-side", "-f", crds)
-    cp.kubectl("wait", "--for=condition=Established",
-               "crd/inferencepools.inference.networking.k8s.io")  # fmt: skip
-    namespace = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+    install_crds(cp)
+    namespace = module_namespace(request)
     cp.kubectl("create", "namespace", namespace)
     logs = tmp_path_factory.mktemp("epp")
     started: list[Any] = []
     try:
         apply(cp, routed_cr(), namespace)
         wait_ready(cp, NAME, namespace, 2)
-        epp = router.epp_name(NAME)
-        deployment = wait_until(lambda: cp.get("deployment", epp, namespace), "the EPP", WAIT)
-        config_map = cp.get("configmap", epp, namespace)
-        assert config_map is not None
-        config = config_map["data"][router.EPP_CONFIG_FILE]
         engines = [Engine(p, tiny_llama_dir, logs) for p in pods(cp, NAME, namespace)]
         started += engines
-        kubeconfig = cp.token_kubeconfig(epp, namespace, logs / "epp.kubeconfig")
-        picker = Picker(epp_bin, deployment, config, kubeconfig, logs)
+        picker, bin_dir = start_picker(cp, namespace, logs)
         started.append(picker)
         for engine in engines:
             wait_until(engine.ready, f"engine {engine.name} on {engine.ip}", WAIT, engine)

@@ -11,63 +11,18 @@ pod NotReady, and measures how soon the picker stops choosing it.
 from __future__ import annotations
 
 import json
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from epp_harness import Traffic
 from real_cluster import ControlPlane
 from test_epp import MODEL, Pool, pool
 
+from mstar.operator.router import METRICS_STALENESS_SECONDS
+
 __all__ = ["pool"]  # the fixture, one per module
 pytestmark = pytest.mark.usefixtures("real_operator")
-
-
-@dataclass
-class Routed:
-    """One request through the picker: when it was sent and answered, where, and how."""
-
-    sent: float
-    done: float
-    engine: str
-    status: int
-    error: str
-
-
-class Traffic:
-    """``threads`` senders, each one request at a time through the gateway, until stopped."""
-
-    def __init__(self, pool: Pool, threads: int = 2) -> None:
-        self.pool = pool
-        self.results: list[Routed] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
-
-    def _run(self, worker: int) -> None:
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            body = {"model": MODEL, "prompt": f"w{5 + worker} w{10 + n % 80}", "max_tokens": 8}
-            sent = time.monotonic()
-            (r,) = self.pool.gateway.send([body], check=False)
-            engine = self.pool.by_endpoint(r["endpoint"]).name if r.get("endpoint") else "-"
-            self.results.append(
-                Routed(sent, time.monotonic(), engine, r.get("status", 0), r.get("error", ""))
-            )
-
-    def __enter__(self) -> Traffic:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def picks(self, engine: str, start: float, end: float = float("inf")) -> list[Routed]:
-        return [r for r in self.results if r.engine == engine and start <= r.sent < end]
 
 
 def mark_not_ready(cp: ControlPlane, pod: str, namespace: str) -> float:
@@ -83,16 +38,17 @@ def test_an_engine_killed_under_traffic_fails_fast_and_leaves_the_pool(
     pool: Pool, control_plane: ControlPlane
 ) -> None:
     namespace = "epp-faults"
-    with Traffic(pool) as traffic:
-        deadline = time.monotonic() + 120
-        while not traffic.results:
-            assert time.monotonic() < deadline, "no request made it through the picker"
-            time.sleep(0.1)
-        victim = next(e for e in pool.engines if e.name == traffic.results[0].engine)
+
+    def body(worker: int, n: int) -> dict[str, Any]:
+        return {"model": MODEL, "prompt": f"w{5 + worker} w{10 + n % 80}", "max_tokens": 8}
+
+    with Traffic(pool.gateway, lambda ep: pool.by_endpoint(ep).name, body) as traffic:
+        victim = next(e for e in pool.engines if e.name == traffic.wait_first().engine)
         survivor = pool.other(victim)
         victim.proc.kill()
         killed = time.monotonic()
-        time.sleep(3.0)  # the picker on its own: its scrapes of the victim now fail
+        time.sleep(3.0)  # the picker on its own: its scrapes of the victim now fail, and its
+        # staleness filter drops the victim once its last good scrape is 1 s old
         not_ready = mark_not_ready(control_plane, victim.name, namespace)
         time.sleep(3.5)  # kwok's ready stage turns the pod Ready again after 5 s
     results = traffic.results
@@ -105,10 +61,17 @@ def test_an_engine_killed_under_traffic_fails_fast_and_leaves_the_pool(
     assert all(r.status == 200 for r in traffic.picks(survivor.name, 0.0)), results
     assert traffic.picks(survivor.name, not_ready + 1.0), "the survivor took nothing"
     assert after_not_ready == [], f"picked {len(after_not_ready)} times after NotReady + 1 s"
-    last = max((r.sent for r in traffic.picks(victim.name, not_ready)), default=not_ready)
+    # The staleness filter, not NotReady, took it out: no pick once its metrics were stale
+    # (the bound, plus the last good scrape's age at the kill and a loaded machine's slack).
+    last = max((r.sent for r in traffic.picks(victim.name, killed)), default=killed)
+    assert last - killed < METRICS_STALENESS_SECONDS + 0.5, (
+        f"the dead engine was picked {last - killed:.2f} s after the kill"
+    )
+    assert traffic.picks(survivor.name, last, not_ready), "nothing was served meanwhile"
     print(
-        f"\nengine killed under traffic: {len(after_kill)} picks of the dead engine in the "
-        f"{not_ready - killed:.1f} s before NotReady (each failed in "
-        f"<= {max((r.done - r.sent for r in after_kill), default=0.0):.2f} s); the last pick "
-        f"{last - not_ready:.2f} s after NotReady; {len(results)} requests in all"
+        f"\nengine killed under traffic: {len(after_kill)} picks of the dead engine, the last "
+        f"{last - killed:.2f} s after the kill (staleness bound {METRICS_STALENESS_SECONDS} s; "
+        f"NotReady written {not_ready - killed:.1f} s after it); each failed in "
+        f"<= {max((r.done - r.sent for r in after_kill), default=0.0):.2f} s; "
+        f"{len(results)} requests in all"
     )

@@ -106,12 +106,18 @@ def test_endpoint_picker_config_is_complete_and_reads_mstar_metrics() -> None:
     assert set(refs) <= set(plugins), "a pluginRef names no plugin"
     weights = {p["pluginRef"]: p.get("weight") for p in config["schedulingProfiles"][0]["plugins"]}
     assert weights == {
+        "stale-metrics-filter": None,
         "queue-scorer": 2,
         "kv-cache-utilization-scorer": 2,
         "prefix-cache-scorer": 3,
         "max-score-picker": None,
     }
     assert plugins["prefix-cache-scorer"]["parameters"]["blockSizeTokens"] == 16  # pageSize
+    # The filter drops stale endpoints only: its load thresholds are out of reach.
+    stale = plugins["stale-metrics-filter"]
+    assert stale["type"] == "utilization-detector"
+    assert stale["parameters"]["metricsStalenessThreshold"] == "1.0s"
+    assert stale["parameters"]["kvCacheUtilThreshold"] * (1 + stale["parameters"]["headroom"]) > 1
     extractor = plugins["core-metrics-extractor"]["parameters"]
     (engine,) = extractor["engineConfigs"]
     assert engine["name"] == extractor["defaultEngine"] == "mstar"

@@ -36,6 +36,10 @@ EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 EPP_CONFIG_FILE = "epp-config.yaml"
 DEFAULT_EPP_CLUSTER_ROLE = "mstar-epp"
+#: An engine whose last good /metrics scrape is older than this is left out of the picker's
+#: choice (while a fresher one exists): a dead engine's last metrics look idle, and the picker
+#: scrapes every 50 ms (EPP's --refresh-metrics-interval), so 1 s is 20 missed scrapes.
+METRICS_STALENESS_SECONDS = 1.0
 
 #: What the picker reads from each engine pod's /metrics (the Model Server Protocol's metrics).
 ENGINE_METRICS = {
@@ -73,7 +77,7 @@ def _epp_metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
 
 
 def epp_config(spec: MStarSpec) -> dict[str, Any]:
-    """The EndpointPickerConfig: mstar's metric names, three scorers, one profile."""
+    """The EndpointPickerConfig: mstar's metric names, a staleness filter, three scorers."""
     weights = spec["router"]["endpointPicker"]["weights"]
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
@@ -89,6 +93,20 @@ def epp_config(spec: MStarSpec) -> dict[str, Any]:
                     "engineLabelKey": ENGINE_TYPE_LABEL,
                     "defaultEngine": ENGINE_TYPE,
                     "engineConfigs": [{"name": ENGINE_TYPE, **ENGINE_METRICS}],
+                },
+            },
+            {
+                # EPP v1.5.0's utilization detector is also a scheduling filter: it drops the
+                # endpoints whose metrics are stale (and, past its thresholds, saturated ones;
+                # it keeps them all when it would drop them all). Here it drops only the stale:
+                # the thresholds are set out of reach, load is the scorers' business.
+                "type": "utilization-detector",
+                "name": "stale-metrics-filter",
+                "parameters": {
+                    "metricsStalenessThreshold": f"{METRICS_STALENESS_SECONDS}s",
+                    "queueDepthThreshold": 2**31 - 1,
+                    "kvCacheUtilThreshold": 1.0,
+                    "headroom": 1.0,  # the KV limit 2.0: usage is a fraction, never above 1
                 },
             },
             {"type": "queue-scorer"},
@@ -117,6 +135,7 @@ def epp_config(spec: MStarSpec) -> dict[str, Any]:
             {
                 "name": "default",
                 "plugins": [
+                    {"pluginRef": "stale-metrics-filter"},
                     {"pluginRef": "queue-scorer", "weight": int(weights["queue"])},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": int(weights["kvCache"])},
                     {"pluginRef": "prefix-cache-scorer", "weight": int(weights["prefixCache"])},
