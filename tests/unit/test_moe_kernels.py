@@ -133,9 +133,10 @@ def test_the_bits_do_not_depend_on_the_thread_count(dtype) -> None:
     assert torch.equal(one, two)
 
 
-def test_the_torch_grouped_path_matches_the_kernel() -> None:
-    """torch's grouped GEMM (CUDA's path, and CPU's without the kernels) on the same float32
-    weights, idle experts and a hot one included."""
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_the_torch_paths_match_the_kernel(grouped_mm: bool) -> None:
+    """torch's grouped GEMM (CUDA's path, run here on CPU) and the per-expert ``mm`` loop (CPU
+    without the kernels) on the same float32 weights, idle experts and a hot one included."""
     kernels = _kernels(cpu_isa.supported_levels()[-1].name)
     gen = torch.Generator().manual_seed(1)
     for routing in ("spread", "idle", "all"):
@@ -143,7 +144,7 @@ def test_the_torch_grouped_path_matches_the_kernel() -> None:
         ids = _routing(routing, 37, gen)
         weights = torch.rand(37, TOP_K, generator=gen)
         stacks = _weights(torch.float32, True, gen)
-        got = grouped_experts(x, ids, weights, *stacks, SWIGLU)
+        got = grouped_experts(x, ids, weights, *stacks, SWIGLU, grouped_mm=grouped_mm)
         expected = CpuExperts.pack(kernels, *stacks, SWIGLU)(x, ids, weights)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 

@@ -4,10 +4,10 @@ torch's grouped GEMM everywhere else (CUDA, or CPU without the C++ kernels).
 A step's tokens each chose ``top_k`` experts (ids [T, k], weights [T, k]). Both paths group
 the (token, choice) rows by expert, so each expert's weights are read once per step whatever
 its number of rows, multiply them by the expert's gate/up weight, apply the activation, multiply
-by its down weight, and sum each token's choices weighted. Neither reads a count back to the
-host: the CPU kernel sorts inside C++, the torch path sorts on the device (``argsort``,
-``scatter_add_``, ``cumsum``) and hands the offsets to ``grouped_mm``, so a CUDA decode step
-stays capturable in a graph.
+by its down weight, and sum each token's choices weighted. On CUDA nothing is read back to the
+host: the rows are sorted on the device (``argsort``, ``scatter_add_``, ``cumsum``) and the
+offsets handed to ``grouped_mm``, so a decode step stays capturable in a graph; the CPU kernel
+sorts inside C++.
 
 Weights: ``gate_up`` [E, 2I, H] (the gate's I rows, then the up's), ``down`` [E, H, I], biases
 [E, 2I] / [E, H] or None. On CPU, `CpuExperts` packs them once into the small-batch GEMMs'
@@ -63,21 +63,38 @@ def grouped_experts(
     down: torch.Tensor,
     down_bias: torch.Tensor | None,
     act: ExpertAct,
+    *,
+    grouped_mm: bool | None = None,
 ) -> torch.Tensor:
-    """[T, H]: the experts' MLPs of x's rows by torch's grouped GEMM (sort by expert, one
-    ``grouped_mm`` per projection over every expert's rows), without a host sync. On CUDA
-    ``grouped_mm`` takes bf16 (SM80 and up); on CPU float32 too."""
+    """[T, H]: the experts' MLPs of x's rows in torch, rows sorted by expert. ``grouped_mm``
+    (default: on CUDA) multiplies every expert's rows in one ``F.grouped_mm`` per projection,
+    with the offsets on the device: no host sync, capturable in a graph (bf16, SM80 and up).
+    Otherwise each expert with rows takes one ``torch.mm`` (the counts read on the host):
+    torch's CPU ``grouped_mm`` is a reference loop, 350 ms for one bf16 token of a 48-expert
+    block where this takes a few."""
+    if grouped_mm is None:
+        grouped_mm = x.device.type == "cuda"
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)
-    rows = x.index_select(0, order // top_k)
-    h = F.grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
+    ends = None if grouped_mm else offsets.tolist()
+
+    def project(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if ends is None:
+            return F.grouped_mm(rows, w.transpose(1, 2), offs=offsets)
+        out = rows.new_empty(rows.shape[0], w.shape[1])
+        for e, (start, end) in enumerate(zip([0, *ends], ends, strict=False)):
+            if end > start:
+                torch.mm(rows[start:end], w[e].t(), out=out[start:end])
+        return out
+
+    h = project(x.index_select(0, order // top_k), gate_up)
     if gate_up_bias is not None:
         h += gate_up_bias.index_select(0, flat[order])
-    y = F.grouped_mm(act(h), down.transpose(1, 2), offs=offsets)
+    y = project(act(h), down)
     if down_bias is not None:
         y += down_bias.index_select(0, flat[order])
     by_choice = torch.empty_like(y).index_copy_(0, order, y).view(tokens, top_k, -1)

@@ -20,11 +20,10 @@ reordered at load, once, and MXFP4 expert weights are dequantized at load.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.kernels.moe_experts import CpuExperts, ExpertAct, ExpertActivation, grouped_experts
@@ -48,7 +47,7 @@ class MoeSpec:
     weights_in_model_dtype: bool
     router_bias: bool = False
     expert_bias: bool = False
-    act: ExpertAct = ExpertAct()
+    act: ExpertAct = field(default_factory=ExpertAct)
     #: the shared expert's width (Qwen2-MoE, with a sigmoid gate); 0: none
     shared_inter: int = 0
 
@@ -190,8 +189,9 @@ class MoeBlock(nn.Module):
 
 # -- loading a checkpoint's tensors --------------------------------------------------------------
 
-#: the FP4 (E2M1) values of MXFP4's 4-bit codes
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: the FP4 (E2M1) values of MXFP4's 4-bit codes (the top bit is the sign)
+FP4_VALUES = _FP4_MAGNITUDES + tuple(-v for v in _FP4_MAGNITUDES)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -220,7 +220,11 @@ def load_moe_block_(block: MoeBlock, tensors: Mapping[str, torch.Tensor], prefix
         _load_gpt_oss(block, tensors, p)
         return
     _copy(block.router.weight, tensors[f"{p}.gate.weight"], f"{p}.gate.weight")
-    names = ("w1", "w3", "w2") if spec.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    names = (
+        ("w1", "w3", "w2")
+        if spec.model_type == "mixtral"
+        else ("gate_proj", "up_proj", "down_proj")
+    )
     i = spec.inter
     if f"{p}.experts.gate_up_proj" in tensors:  # transformers 5's fused stacks
         _copy(block.gate_up, tensors[f"{p}.experts.gate_up_proj"], f"{p}.experts.gate_up_proj")
@@ -263,5 +267,9 @@ def _load_gpt_oss(block: MoeBlock, tensors: Mapping[str, torch.Tensor], p: str) 
         _copy(block.gate_up[e], torch.cat((gate_up[0::2], gate_up[1::2])), f"{x}.gate_up_proj")
         _copy(block.down[e], down, f"{x}.down_proj")
     bias = tensors[f"{x}.gate_up_proj_bias"]
-    _copy(block.gate_up_bias, torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1), f"{x}.gate_up_proj_bias")
+    _copy(
+        block.gate_up_bias,
+        torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1),
+        f"{x}.gate_up_proj_bias",
+    )
     _copy(block.down_bias, tensors[f"{x}.down_proj_bias"], f"{x}.down_proj_bias")
