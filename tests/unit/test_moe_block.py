@@ -121,6 +121,9 @@ def test_block_matches_transformers(model_type: str, path: str, request: Any) ->
     spec = MoeSpec.from_config(cfg)
     assert (spec.num_experts, spec.top_k, spec.inter) == (EXPERTS, TOP_K, INTER)
     ours = MoeBlock(spec)
+    held = sum(p.numel() for p in ours.parameters())
+    assert spec.params(spec.num_experts) == held == sum(p.numel() for p in hf.parameters())
+    assert spec.params(spec.top_k) < held
     prefix = "model.layers.0.block_sparse_moe" if model_type == "mixtral" else "model.layers.0.mlp"
     load_moe_block_(ours, _checkpoint(hf, model_type, prefix), prefix)
     if path == "cpu_kernel":

@@ -93,13 +93,14 @@ class MoeSpec:
                    "topk_softmax", renormalize=False, weights_in_model_dtype=True,
                    router_bias=True, expert_bias=True, act=swiglu)  # fmt: skip
 
-    @property
-    def active_params_per_token(self) -> int:
-        """Expert and router parameters one token reads: what `/metrics` reports beside the
-        parameters held (``num_experts`` experts)."""
-        expert = 3 * self.hidden * self.inter
-        shared = 3 * self.hidden * self.shared_inter + self.hidden if self.shared_inter else 0
-        return self.top_k * expert + self.num_experts * self.hidden + shared
+    def params(self, experts: int) -> int:
+        """The block's parameters counting ``experts`` routed experts (router, biases and the
+        shared expert included): `num_experts` of them are held, `top_k` active per token,
+        the two figures the issue asks `/metrics` and the log to report."""
+        expert = 3 * self.hidden * self.inter + (2 * self.inter + self.hidden) * self.expert_bias
+        router = self.num_experts * (self.hidden + self.router_bias)
+        shared = (3 * self.shared_inter + 1) * self.hidden if self.shared_inter else 0
+        return experts * expert + router + shared
 
 
 def is_moe_layer(cfg: Mapping[str, Any], layer: int) -> bool:
