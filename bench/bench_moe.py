@@ -15,6 +15,7 @@ Each figure is the best of ``--repeat`` means over ``--calls`` calls. All three 
 outputs to rounding (checked before timing).
 
     python3 bench/bench_moe.py [--tokens 1 8 32] [--dtypes bfloat16 float32] [--repeat 3]
+                               [--calls 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     kernels = cpu_kernels.load()
     assert kernels is not None, "the CPU kernels did not build"
     spec = MoeSpec.from_config(CONFIG)
