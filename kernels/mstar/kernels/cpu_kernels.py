@@ -92,6 +92,7 @@ FUNCTIONS = (
     "fma_linear",
     "decode_layers",
     "isa_level",
+    "moe_experts",
 )
 
 #: dtypes ``paged_decode``, ``write_kv``, the glue ops and ``argmax_rows`` handle

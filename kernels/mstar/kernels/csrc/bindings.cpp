@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "moe_ops.h"
 
 namespace {
 
@@ -452,6 +453,7 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(fma_pack_weight);
   MSTAR_DEF(fma_linear);
   MSTAR_DEF(decode_layers);
+  MSTAR_DEF(moe_experts);
 #undef MSTAR_DEF
 }
 
