@@ -64,7 +64,20 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, object]]] = {
             "pad_token_id": 0,
         },
     ),
-}
+    # MoE: 8 experts, top 2; layer 0 stays dense (mlp_only_layers), the others route
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 48, "mlp_only_layers": [0], "norm_topk_prob": True},
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48,
+         "sliding_window": 8},
+    ),
+}  # fmt: skip
 
 
 def randomize_(model: torch.nn.Module, seed: int = 1234) -> None:
@@ -77,6 +90,10 @@ def randomize_(model: torch.nn.Module, seed: int = 1234) -> None:
                 # Gemma's norms scale by 1 + w: w around 0 there, around 1 elsewhere
                 centre = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
                 p.copy_(centre + torch.rand(p.shape, generator=gen) - 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                # MoE routers: logits a few units apart, so the top-k is clear of float32
+                # rounding and the weights still matter (not one expert taking ~all)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             else:

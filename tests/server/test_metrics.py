@@ -149,3 +149,10 @@ def test_outcome_series_exist_before_any_request() -> None:
         assert value(m, "mstar:request_success_total", finished_reason=reason) == 0
     with pytest.raises(KeyError):
         value(m, "mstar:admit_failures_total", reason="AllocationFailed", resource="kv")
+
+
+def test_model_parameters_held_and_active() -> None:
+    m = ServerMetrics("tiny", parameters=(1000, 250))
+    assert value(m, "mstar:model_parameters", kind="held") == 1000
+    assert value(m, "mstar:model_parameters", kind="active") == 250
+    assert "mstar:model_parameters" not in {name for name, _ in samples(ServerMetrics("tiny"))}

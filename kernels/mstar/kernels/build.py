@@ -1,6 +1,6 @@
 """Builds the C++ CPU kernels (``csrc/``) once per ISA level, into a cache every process shares.
 
-Each level's library links the level-independent bindings (``bindings.cpp``: tensor checks and
+Each level's library links the level-independent bindings (``BINDINGS``: tensor checks and
 the Python module, compiled once for the x86-64 baseline, since torch's headers take about a
 minute) with that level's kernel objects (the other ``csrc/*.cpp``, compiled with the level's
 ``-march`` in seconds: they include no tensor headers). Separate libraries, not one with every
@@ -52,8 +52,10 @@ KERNEL_SOURCES = (
     "gemm_fma.cpp",
     "level.cpp",
     "quant_gemm.cpp",
+    "moe.cpp",
 )
-BINDINGS = "bindings.cpp"
+#: the tensor side, compiled once and linked into every level (torch's headers are slow)
+BINDINGS = ("bindings.cpp", "moe_bindings.cpp")
 #: the prefix of each level's library and Python module name (`module_name`)
 MODULE = "mstar_cpu_kernels"
 #: overrides the cache's location (default: $XDG_CACHE_HOME or ~/.cache, then mstar/kernels)
@@ -157,9 +159,10 @@ def _ninja_file(levels: list[cpu_isa.Level]) -> str:
         "rule link",  # linked aside, then renamed: a library present is a complete one
         "  command = $cxx $in $ldflags -o $out.tmp && mv -f $out.tmp $out",
         "  description = LINK $out",
-        f"build bindings.o: cxx {q([str(CSRC / BINDINGS)])}",
-        "  flags = -O2",
     ]
+    for source in BINDINGS:
+        lines += [f"build {Path(source).stem}.o: cxx {q([str(CSRC / source)])}", "  flags = -O2"]
+    bindings = " ".join(f"{Path(source).stem}.o" for source in BINDINGS)
     for level in levels:
         objects = []
         for source in KERNEL_SOURCES:
@@ -172,7 +175,7 @@ def _ninja_file(levels: list[cpu_isa.Level]) -> str:
                 f"-DMSTAR_PYINIT=PyInit_{module_name(level)}",
             ]
             lines.append(f"  flags = {q([*_KERNEL_FLAGS, *level.cflags, *defines])}")
-        lines.append(f"build {library_path(level).name}: link bindings.o {' '.join(objects)}")
+        lines.append(f"build {library_path(level).name}: link {bindings} {' '.join(objects)}")
     return "\n".join(lines) + "\n"
 
 

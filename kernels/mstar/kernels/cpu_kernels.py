@@ -95,6 +95,7 @@ FUNCTIONS = (
     "quant_vnni",
     "quant_linear",
     "quant_dequantize_",
+    "moe_experts",
 )
 
 #: dtypes ``paged_decode``, ``write_kv``, the glue ops and ``argmax_rows`` handle

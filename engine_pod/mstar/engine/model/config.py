@@ -13,7 +13,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mstar.engine.model.moe import MoeSpec
 
 
 class ModelLoadError(Exception):
@@ -86,6 +89,9 @@ class ModelConfig:
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size) (in the model dtype)
     query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power when set
     final_logit_softcap: float | None = None
+    #: the MoE block of the layers in `moe_layers` (their MLP); None: every MLP is dense
+    moe: MoeSpec | None = None
+    moe_layers: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property

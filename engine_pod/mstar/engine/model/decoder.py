@@ -26,6 +26,7 @@ from mstar.engine.model.layers import (
     RMSNorm,
 )
 from mstar.engine.model.linear import DenseLinearMethod, Linears, LinearSpec, MethodPicker
+from mstar.engine.model.moe import MoeBlock
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.paged_attention import KernelDecodeStep
@@ -142,6 +143,8 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.requires_grad_(False)
+        #: (parameters held, active per token), for the log and ``mstar:model_parameters``
+        self.parameter_counts = self._count_parameters()
         #: `cpu_kernels.load()`'s extension for the float32 and bf16 glue ops, or None (torch ops)
         self.cpu_kernels: Any | None = None
         #: the first norm also takes the kernels' per-row pass (torch's reductions promise no
@@ -177,6 +180,20 @@ class Decoder(nn.Module):
                 if p is not None:
                     empty = torch.empty(p.shape, dtype=p.dtype, device=device)
                     module._parameters[name] = nn.Parameter(empty, requires_grad=False)
+
+    def moe_blocks(self) -> list[MoeBlock]:
+        """The MoE blocks of the layers that have one."""
+        return [m for m in self.modules() if isinstance(m, MoeBlock)]
+
+    def _count_parameters(self) -> tuple[int, int]:
+        """(parameters held, parameters active per token): every weight but the experts
+        (embeddings and LM head once when tied), plus each MoE block's `MoeSpec.params` with
+        all its experts / its top-k. Counted at build, before `finalize_linears` and
+        `MoeBlock.use_cpu_kernels` repack weights outside ``parameters()``."""
+        dense = sum(p.numel() for n, p in self.named_parameters() if ".moe." not in n)
+        specs = [block.spec for block in self.moe_blocks()]
+        held = dense + sum(s.params(s.num_experts) for s in specs)
+        return held, dense + sum(s.params(s.top_k) for s in specs)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -16,6 +16,7 @@ from torch import nn
 
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.linear import Linears, LinearSpec
+from mstar.engine.model.moe import MoeBlock
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.kernels import cpu_kernels
 
@@ -97,7 +98,8 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 class DecoderLayer(nn.Module):
     """One pre-norm transformer block with fused QKV and fused gate/up projections; q/k norm,
-    Gemma's sandwich norms, the activation, RoPE table and window as the config says."""
+    Gemma's sandwich norms, the activation, RoPE table and window as the config says; in the
+    config's `moe_layers`, an `MoeBlock` (``moe``) in place of the dense MLP."""
 
     def __init__(
         self,
@@ -132,7 +134,7 @@ class DecoderLayer(nn.Module):
         dev = torch.device(device)
         pre = f"layers.{layer_idx}."
         kv = self.kv_size
-        specs = (
+        specs: tuple[LinearSpec, ...] = (
             LinearSpec(pre + "qkv_proj", hidden, self.q_size + 2 * kv, cfg.qkv_bias,
                        parts=(self.q_size, kv, kv)),
             LinearSpec(pre + "o_proj", self.q_size, hidden, cfg.o_bias, parallel="row"),
@@ -140,9 +142,15 @@ class DecoderLayer(nn.Module):
                        parts=(self.inter, self.inter)),
             LinearSpec(pre + "down_proj", self.inter, hidden, cfg.mlp_bias, parallel="row"),
         )  # fmt: skip
-        self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = (
-            linears.create(spec, dtype, dev) for spec in specs
-        )
+        self.moe: MoeBlock | None = None
+        if layer_idx in cfg.moe_layers:
+            assert cfg.moe is not None
+            self.moe = MoeBlock(cfg.moe, dtype, device)
+            specs = specs[:2]  # the experts replace the dense MLP's projections
+        modules = [linears.create(spec, dtype, dev) for spec in specs]
+        self.qkv_proj, self.o_proj = modules[:2]
+        if self.moe is None:
+            self.gate_up_proj, self.down_proj = modules[2:]
 
     def forward(
         self,
@@ -188,7 +196,10 @@ class DecoderLayer(nn.Module):
             x, residual = self.pre_feedforward_layernorm.add_forward(h, residual, kernels)
         else:
             x, residual = self.post_attention_layernorm.add_forward(h, residual, kernels)
-        out = self.down_proj.forward(self._act(self.gate_up_proj.forward(x), kernels))
+        if self.moe is not None:
+            out = self.moe.forward(x)
+        else:
+            out = self.down_proj.forward(self._act(self.gate_up_proj.forward(x), kernels))
         if self.sandwich:
             out = self.post_feedforward_layernorm.forward(out)
         return out, residual

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from mstar.engine.model.decoder import Decoder, fused_decode_refusal
 from mstar.engine.model.gguf_convert import gguf_folder
 from mstar.engine.model.layers import RMSNorm
 from mstar.engine.model.linear import DenseLinearMethod, ShapeMismatch
+from mstar.engine.model.moe import MoeBlock, load_moe_block_
 from mstar.engine.model.registry import family_named
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.kernels import cpu_kernels
@@ -76,8 +78,9 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     return files
 
 
-class _WeightReader:
-    """Opens each shard once and hands out tensors by HF name."""
+class _WeightReader(Mapping[str, torch.Tensor]):
+    """Opens each shard once and hands out tensors by HF name (a mapping, as
+    `load_moe_block_` reads it)."""
 
     def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
         self._files = files
@@ -86,10 +89,16 @@ class _WeightReader:
             for shard in sorted(set(files.values()))
         }
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._files
 
-    def get(self, name: str) -> torch.Tensor:
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
         shard = self._files.get(name)
         if shard is None:
             raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
@@ -110,7 +119,16 @@ def _load_layer(
 ) -> None:
     """One decoder parameter of layer ``i`` from its checkpoint tensors: a projection through
     its linear method (whatever parameters that method's module holds), a norm through
-    `RMSNorm.load_`; what the config does not have (a bias, a q/k norm) is skipped."""
+    `RMSNorm.load_`, an MoE block (``local`` "moe", ``names`` its checkpoint module) through
+    `load_moe_block_`; what the config does not have (a bias, a q/k norm) is skipped."""
+    if local == "moe":
+        block = getattr(model.layers[i], "moe", None)
+        if isinstance(block, MoeBlock):
+            try:
+                load_moe_block_(block, reader, names[0])
+            except ValueError as exc:
+                raise ModelLoadError(str(exc)) from exc
+        return
     module_name, _, kind = local.rpartition(".")
     full = f"layers.{i}.{module_name}"
     spec = model.linears.specs.get(full)
@@ -121,10 +139,10 @@ def _load_layer(
     module = model.get_submodule(full)
     try:
         if spec is not None:
-            model.linears.method(full).load(module, kind, [reader.get(n) for n in names])
+            model.linears.method(full).load(module, kind, [reader[n] for n in names])
         elif isinstance(module, RMSNorm):
             (name,) = names
-            module.load_(reader.get(name))
+            module.load_(reader[name])
         else:
             raise ModelLoadError(f"no loader for {full}.{kind}")
     except (ShapeMismatch, ValueError) as exc:
@@ -155,16 +173,16 @@ def build_decoder(
         reader = _WeightReader(files, stack)
         _copy(
             params["embed_tokens.weight"],
-            reader.get("model.embed_tokens.weight"),
+            reader["model.embed_tokens.weight"],
             "model.embed_tokens.weight",
         )
-        model.norm.load_(reader.get("model.norm.weight"))
+        model.norm.load_(reader["model.norm.weight"])
         if not cfg.tie_word_embeddings:
             if "lm_head.weight" not in reader:
                 raise ModelLoadError(
                     "checkpoint lacks tensor 'lm_head.weight' and tie_word_embeddings is false"
                 )
-            _copy(params["lm_head.weight"], reader.get("lm_head.weight"), "lm_head.weight")
+            _copy(params["lm_head.weight"], reader["lm_head.weight"], "lm_head.weight")
         for i in range(cfg.num_layers):
             for local, tensors in names(i):
                 _load_layer(model, reader, i, tensors, local)
@@ -199,6 +217,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
     decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
+    held, active = decoder.parameter_counts
+    log.info("%s: %d parameters held, %d active per token", cfg.family, held, active)
     kernels = cpu_kernels.load() if decoder.device.type == "cpu" else None
     method = DenseLinearMethod(
         pack=can_pack(torch_dtype, decoder.device),
@@ -215,6 +235,8 @@ def load_model(
             why = refusal or "a projection runs outside the small-batch kernels"
             log.info("%s: fused CPU decode off (%s); decode steps run layer by layer",
                      cfg.family, why)  # fmt: skip
+    for block in decoder.moe_blocks() if kernels is not None else ():
+        block.use_cpu_kernels(kernels)  # packed once, the plain stacks dropped
     decoder.cpu_kernels = kernels
     decoder.deterministic = deterministic
     return decoder, cfg, tokenizer

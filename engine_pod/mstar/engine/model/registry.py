@@ -6,7 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from mstar.engine.model.config import ModelLoadError
-from mstar.engine.model.families import gemma3, llama, mistral, phi3, qwen2, qwen3
+from mstar.engine.model.families import (
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from mstar.engine.model.family import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -16,6 +25,8 @@ FAMILIES: tuple[Family, ...] = (
     mistral.FAMILY,
     gemma3.FAMILY,
     phi3.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)

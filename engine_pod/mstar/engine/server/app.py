@@ -206,7 +206,8 @@ def build_app(
     _one_line_payload_errors()
     kv = engine.kv
     cache = CacheConfig(kv.page_size, kv.num_pages, kv.config.host_offload_pages)
-    metrics_ = ServerMetrics(engine.model_name, cache)
+    decoder = getattr(engine, "decoder", None)  # test fakes have none
+    metrics_ = ServerMetrics(engine.model_name, cache, getattr(decoder, "parameter_counts", None))
     state = ServerState(
         engine=engine,
         async_engine=AsyncEngine(

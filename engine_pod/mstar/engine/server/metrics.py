@@ -86,7 +86,14 @@ def event_resource(attributes: dict[str, Any]) -> str:
 class ServerMetrics:
     """Every metric of one app; `render()` is the `/metrics` body."""
 
-    def __init__(self, model_name: str, cache: CacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        cache: CacheConfig | None = None,
+        parameters: tuple[int, int] | None = None,
+    ) -> None:
+        """``parameters``: the model's (held, active per token) counts (an MoE model reads
+        only its routed experts per token), exported as ``mstar:model_parameters``."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -147,6 +154,15 @@ class ServerMetrics:
                 [*labels, *info],
                 registry=reg,
             ).labels(model_name, *info.values()).set(1)
+        if parameters is not None:
+            params = Gauge(
+                "mstar:model_parameters",
+                "Model parameters held, and active per token (MoE: the top-k experts).",
+                [*labels, "kind"],
+                registry=reg,
+            )
+            for kind, count in zip(("held", "active"), parameters, strict=True):
+                params.labels(model_name, kind).set(count)
         # Materialise the unlabelled-by-outcome series at zero so dashboards see them at once.
         for metric in (self.running, self.waiting, self.kv_usage, self.host_kv_usage):
             metric.labels(model_name)

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "moe_ops.h"
 
 namespace {
 
@@ -457,6 +458,7 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(quant_vnni);
   MSTAR_DEF(quant_linear);
   MSTAR_DEF(quant_dequantize_);
+  MSTAR_DEF(moe_experts);
 #undef MSTAR_DEF
 }
 
