@@ -10,16 +10,19 @@ projections must hold the file's blocks and no float copy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
-from mstar_model_testutil import PagedPool
+from mstar_model_testutil import PagedPool, greedy
 from test_model_gguf_convert import write_tiny_gguf
 
 from mstar.engine.config import EngineConfig
+from mstar.engine.engine import LLMEngine
 from mstar.engine.model import ModelLoadError, load_model
 from mstar.engine.model.gguf_linear import ConcatQuantLinear
+from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import quant_linear
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.quant_linear import QuantLinear, row_bytes
@@ -130,3 +133,21 @@ def test_quantization_none_and_unsupported_setups_dequantize(tmp_path, monkeypat
         load_model(path, "float32", quantization="int8")
     with pytest.raises(ValueError, match="--quantization must be one of auto, none"):
         EngineConfig(quantization="int8")
+
+
+def test_engine_serves_gguf_quantized(tmp_path, monkeypatch):
+    """`mstar-engine serve --model x.gguf` (`EngineConfig` -> `LLMEngine.from_config`) keeps
+    the projections quantized; its greedy tokens are the quantized decoder's own."""
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, "qwen2", qtypes=QTYPES["qwen2"])
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", num_pages=64)
+    engine = LLMEngine.from_config(config)
+    assert any(isinstance(m, QuantLinear) for m in engine.decoder.modules())
+    decoder, cfg, tok = load_model(path, "float32")
+    prompt = tok.encode("the lazy dog near the café")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (served,) = engine.generate([prompt], params)
+    assert served == greedy(decoder, PagedPool(cfg, num_pages=16, page_size=4), [prompt], 8)[0]
+    dense = LLMEngine.from_config(dataclasses.replace(config, quantization="none"))
+    assert not any(isinstance(m, QuantLinear) for m in dense.decoder.modules())
