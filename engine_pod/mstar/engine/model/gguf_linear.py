@@ -32,6 +32,7 @@ class QuantSlot(nn.Module):
 
     def __init__(self, spec: LinearSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        self.spec = spec
         self.bias: nn.Parameter | None = None
         if spec.bias:
             empty = torch.empty(spec.out_features, dtype=dtype, device=device)
@@ -108,9 +109,14 @@ class GGUFLinearMethod:
             assert isinstance(module, QuantSlot) and module.bias is not None
             copy_rows(module.bias, tensors)
             return
-        cols = {int(t.shape[1]) for t in tensors if t.dim() == 2}
-        if len(cols) != 1 or any(t.dim() != 2 for t in tensors):
-            raise ShapeMismatch(f"weights {[tuple(t.shape) for t in tensors]} are not one width")
+        assert isinstance(module, QuantSlot)
+        spec = module.spec
+        shapes = [tuple(t.shape) for t in tensors]
+        fits = all(len(s) == 2 and s[1] == spec.in_features for s in shapes)
+        if not fits or sum(s[0] for s in shapes) != spec.out_features:
+            raise ShapeMismatch(
+                f"shapes {shapes} do not fill [{spec.out_features}, {spec.in_features}]"
+            )
 
     def finalize(self, spec: LinearSpec, module: nn.Module) -> nn.Module:
         if not isinstance(module, QuantSlot):
