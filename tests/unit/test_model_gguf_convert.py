@@ -63,8 +63,22 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, family: str, seed: int = 0):
-    """A tiny random model as transformers module + the same weights in a GGUF file."""
+def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, str] | None = None):
+    """A tiny random model as transformers module + the same weights in a GGUF file;
+    ``qtypes``: GGUF tensor name suffix (``attn_q.weight``, ``output.weight``) -> the ggml
+    type it is quantized to (the module keeps the float weights)."""
+    qtypes = qtypes or {}
+
+    def add(name: str, arr: np.ndarray) -> None:
+        qtype = next(
+            (q for end, q in qtypes.items() if name == end or name.endswith("." + end)), None
+        )
+        if qtype is None:
+            w.add_tensor(name, arr)
+            return
+        raw = gguf.quants.quantize(arr, gguf.GGMLQuantizationType[qtype])
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+
     tok = _train_tokenizer()
     state = json.loads(tok.to_str())
     vocab: dict[str, int] = state["model"]["vocab"]
@@ -131,12 +145,12 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0):
     for name, p in model.state_dict().items():
         arr = p.detach().float().numpy().copy()
         if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", arr)
+            add("token_embd.weight", arr)
         elif name == "model.norm.weight":
-            w.add_tensor("output_norm.weight", arr)
+            add("output_norm.weight", arr)
         elif name == "lm_head.weight":
             if not common["tie_word_embeddings"]:
-                w.add_tensor("output.weight", arr)
+                add("output.weight", arr)
         else:
             _, _, idx, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
@@ -144,7 +158,7 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0):
                 arr = _permute(arr, heads)
             elif family == "llama" and module == "self_attn.k_proj":
                 arr = _permute(arr, kv_heads)
-            w.add_tensor(f"blk.{idx}.{names[module]}.{kind}", arr)
+            add(f"blk.{idx}.{names[module]}.{kind}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -18,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 STEP_BUDGETS = ("adaptive", "fixed")
+#: --quantization: "auto" serves quantized checkpoint weights as stored, "none" dequantizes
+QUANTIZATIONS = ("auto", "none")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -31,7 +33,9 @@ class EngineConfig:
 
     model: str | None = field(
         default=None,
-        metadata=_flag("Hugging Face checkpoint folder; unset serves the packaged SmolLM2."),
+        metadata=_flag(
+            "Hugging Face checkpoint folder or GGUF file; unset serves the packaged SmolLM2."
+        ),
     )
     served_model_name: str | None = field(
         default=None, metadata=_flag("Model id reported by /v1/models (default: derived).")
@@ -45,6 +49,16 @@ class EngineConfig:
             "where the kernels are off. float32 greedy output is token-exact against "
             "transformers.",
             choices=DTYPES,
+        ),
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=_flag(
+            "Quantized checkpoint weights. auto: served as stored (a GGUF file's Q8_0, Q4_0, "
+            "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K projections, on CPU with float32 or "
+            "bfloat16 activations; other tensors dequantized); none: every weight dequantized "
+            "to --dtype at load.",
+            choices=QUANTIZATIONS,
         ),
     )
     device: str = field(default="auto", metadata=_flag("cuda when available.", choices=DEVICES))
@@ -232,6 +246,7 @@ class EngineConfig:
             ("eviction_policy", EVICTION_POLICIES),
             ("attention_backend", ATTENTION_BACKENDS),
             ("step_budget", STEP_BUDGETS),
+            ("quantization", QUANTIZATIONS),
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_dash(name)} must be one of {', '.join(allowed)}")

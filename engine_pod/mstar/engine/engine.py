@@ -166,7 +166,11 @@ class LLMEngine:
             deterministic_setup(device, dtype, backend)
         path = config.model or str(default_model_path())
         decoder, model_config, tokenizer = load_model(
-            path, dtype=dtype, device=device, deterministic=config.deterministic
+            path,
+            dtype=dtype,
+            device=device,
+            deterministic=config.deterministic,
+            quantization=config.quantization,
         )
         if config.deterministic:
             check_head_dim(device, model_config.head_dim)

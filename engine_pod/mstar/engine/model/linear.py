@@ -6,10 +6,9 @@ parallelism would split it) and never names a class. The loader then fills it th
 `LinearMethod.load` (row blocks: fused Q/K/V and gate/up) and, once every weight is in,
 `finalize_linears` lets the method swap the module for its runtime form. Today's method
 (`DenseLinearMethod`) builds ``nn.Linear`` and finalises to oneDNN/kernel-packed
-`PackedLinear`. Planned methods plug in here, without touching a family:
+`PackedLinear`; `gguf_linear.GGUFLinearMethod` keeps a GGUF file's quantized blocks
+(`QuantLinear`). Planned methods plug in here, without touching a family:
 
-- a quantized GGUF linear: ``create`` returns the module holding the quantized blocks and
-  ``load`` copies raw block bytes into it (``forward(x) -> y`` like any linear);
 - LoRA: a method wrapping another method's finalised module;
 - tensor parallelism: ``spec.parallel`` says "column" (output rows split) or "row"
   (input columns split, output reduced) for the method to shard at ``load``.

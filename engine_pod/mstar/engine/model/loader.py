@@ -19,11 +19,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mstar.engine.config import QUANTIZATIONS
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.decoder import Decoder, fused_decode_refusal
 from mstar.engine.model.gguf_convert import gguf_folder
+from mstar.engine.model.gguf_linear import GGUFLinearMethod, GGUFWeights
 from mstar.engine.model.layers import RMSNorm
-from mstar.engine.model.linear import DenseLinearMethod, ShapeMismatch
+from mstar.engine.model.linear import (
+    DenseLinearMethod,
+    LinearMethod,
+    LinearSpec,
+    MethodPicker,
+    ShapeMismatch,
+)
 from mstar.engine.model.moe import MoeBlock, load_moe_block_
 from mstar.engine.model.registry import family_named
 from mstar.engine.model.tokenizer import Tokenizer
@@ -155,10 +163,17 @@ def build_decoder(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None = None,
+    linear_method: MethodPicker | None = None,
 ) -> Decoder:
-    """Allocate a decoder without random init and fill it from the folder's safetensors."""
+    """Allocate a decoder without random init and fill it from the folder's safetensors
+    (``linear_method``: each projection's method, default dense)."""
     model = Decoder(
-        cfg, dtype=dtype, device=device, max_positions=max_positions, init_weights=False
+        cfg,
+        dtype=dtype,
+        device=device,
+        max_positions=max_positions,
+        init_weights=False,
+        linear_method=linear_method,
     )
     names = family_named(cfg.family).names
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -182,7 +197,11 @@ def build_decoder(
                 raise ModelLoadError(
                     "checkpoint lacks tensor 'lm_head.weight' and tie_word_embeddings is false"
                 )
-            _copy(params["lm_head.weight"], reader["lm_head.weight"], "lm_head.weight")
+            head = [reader["lm_head.weight"]]
+            try:
+                model.linears.method("lm_head").load(model.lm_head, "weight", head)
+            except (ShapeMismatch, ValueError) as exc:
+                raise ModelLoadError(f"tensor 'lm_head.weight': {exc}") from exc
         for i in range(cfg.num_layers):
             for local, tensors in names(i):
                 _load_layer(model, reader, i, tensors, local)
@@ -197,17 +216,27 @@ def load_model(
     *,
     max_positions: int | None = None,
     deterministic: bool = False,
+    quantization: str = "auto",
 ) -> tuple[Decoder, ModelConfig, Tokenizer]:
     """Load a Hugging Face folder (or a ``.gguf`` file) of a registered family ->
     (decoder, config, tokenizer).
 
     ``deterministic`` (CPU): batch-invariant GEMMs and norms (`DenseLinearMethod`, `Decoder`).
+    ``quantization`` (`QUANTIZATIONS`): "auto" keeps a GGUF file's quantized projections in
+    their blocks (`GGUFLinearMethod`, CPU, float32 or bf16) where `_gguf_method` allows it;
+    "none" serves the dequantized conversion.
 
     Raises ``ModelLoadError`` naming the missing path, file or tensor, or the unsupported
     architecture.
     """
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"unsupported quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}"
+        )
     folder = Path(path).expanduser()
+    gguf_file = None
     if folder.suffix == ".gguf" and folder.is_file():
+        gguf_file = folder
         folder = gguf_folder(folder)  # converted once into the cache, then loaded from there
     if not folder.exists():
         raise ModelLoadError(f"model path does not exist: {folder}")
@@ -216,10 +245,15 @@ def load_model(
     cfg = ModelConfig.from_file(folder / "config.json")
     torch_dtype = resolve_dtype(dtype)
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
-    decoder = build_decoder(cfg, folder, torch_dtype, torch.device(device), max_positions)
+    dev = torch.device(device)
+    kernels = cpu_kernels.load() if dev.type == "cpu" else None
+    quant = None
+    if gguf_file is not None and quantization == "auto":
+        quant = _gguf_method(gguf_file, cfg, torch_dtype, dev, kernels, deterministic)
+    picker = _picker(quant, DenseLinearMethod())
+    decoder = build_decoder(cfg, folder, torch_dtype, dev, max_positions, picker)
     held, active = decoder.parameter_counts
     log.info("%s: %d parameters held, %d active per token", cfg.family, held, active)
-    kernels = cpu_kernels.load() if decoder.device.type == "cpu" else None
     method = DenseLinearMethod(
         pack=can_pack(torch_dtype, decoder.device),
         float32_gemm=bf16_float32_gemm(torch_dtype),
@@ -227,7 +261,15 @@ def load_model(
         deterministic=deterministic,
     )
     refusal = fused_decode_refusal(cfg, family_named(cfg.family).fused_decode)
-    decoder.finalize_linears(lambda spec: method, fused=kernels is not None and refusal is None)
+    if quant is not None:
+        specs = decoder.linears.specs.values()
+        kept = sorted(s.name for s in specs if quant.weights.takes(s))
+        log.info("GGUF: %d of %d projections served quantized as stored", len(kept), len(specs))
+        if kept:  # decode_layers takes packed float weights only
+            refusal = ", ".join(r for r in (refusal, "GGUF-quantized projections") if r)
+    decoder.finalize_linears(_picker(quant, method), fused=kernels is not None and refusal is None)
+    if quant is not None:
+        quant.weights.release()
     if kernels is not None:
         if decoder.fused_decode is not None:
             log.info("%s: decode steps run every layer in one fused CPU kernel call", cfg.family)
@@ -240,6 +282,43 @@ def load_model(
     decoder.cpu_kernels = kernels
     decoder.deterministic = deterministic
     return decoder, cfg, tokenizer
+
+
+def _picker(quant: GGUFLinearMethod | None, dense: LinearMethod) -> MethodPicker:
+    """Quantized where ``quant`` takes the projection, else ``dense``."""
+
+    def pick(spec: LinearSpec) -> LinearMethod:
+        return quant if quant is not None and quant.weights.takes(spec) else dense
+
+    return pick
+
+
+def _gguf_method(
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: object | None,
+    deterministic: bool,
+) -> GGUFLinearMethod | None:
+    """The quantized method for a GGUF file, or None (logged why: the dequantized
+    conversion is served instead)."""
+    why = None
+    if device.type != "cpu":
+        why = f"quantized GEMMs run on CPU only (device {device.type})"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why = f"quantized GEMMs take float32 or bfloat16 activations, not {dtype}"
+    elif kernels is None:
+        why = "the C++ CPU kernels are off"
+    elif deterministic:
+        why = "--deterministic (the quantized GEMM picks its kernel by row count)"
+    if why is None:
+        try:
+            return GGUFLinearMethod(GGUFWeights(path, cfg, family_named(cfg.family).names), kernels)
+        except ModelLoadError as exc:
+            why = str(exc)
+    log.info("GGUF %s: serving dequantized weights (%s)", path.name, why)
+    return None
 
 
 def bf16_float32_gemm(dtype: torch.dtype) -> bool:
