@@ -6,12 +6,12 @@ import pytest
 
 from mstar.engine.sampling_params import InvalidParameter
 from mstar.engine.server.async_engine import EngineDeadError
-from mstar.engine.server.lifecycle import submit_error
 from mstar.engine.server.protocol import (
     GenerationRequest,
     parse_chat_request,
     parse_completion_request,
 )
+from mstar.engine.server.submit_errors import submit_error
 
 COMPLETION = parse_completion_request({"prompt": "hi"})
 CHAT = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]})

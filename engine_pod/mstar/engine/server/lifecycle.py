@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.model.tokenizer import IncrementalDetokenizer
 from mstar.engine.outputs import (
@@ -30,62 +28,23 @@ from mstar.engine.outputs import (
     TokenLogprob,
 )
 from mstar.engine.resources.sampling.grammar import InvalidGrammar
-from mstar.engine.sampling_params import GrammarSpec, InvalidParameter
-from mstar.engine.server.async_engine import EngineDeadError, NewRequest
+from mstar.engine.sampling_params import GrammarSpec
+from mstar.engine.server.async_engine import NewRequest
+from mstar.engine.server.body import read_json_body
 from mstar.engine.server.choice import ChoiceState, Delta
 from mstar.engine.server.limits import RETRY_AFTER_SECONDS, Deadline
 from mstar.engine.server.protocol import (
     APIError,
     GenerationRequest,
     bad_request,
-    decode_json_body,
     model_not_found,
     parse_chat_request,
     parse_completion_request,
 )
 from mstar.engine.server.responses import complete, stream
 from mstar.engine.server.state import STATE
+from mstar.engine.server.submit_errors import submit_error
 from mstar.engine.server.tools import reported_reason, template_messages
-
-
-async def read_json_body(request: web.Request) -> Any:
-    """The request's JSON body; a body that cannot be read, decompressed or decoded is a 400.
-
-    Reading can fail in aiohttp (a `Content-Encoding` the bytes do not match, a malformed
-    chunked body); everything after the bytes is `decode_json_body`'s. Too large a body stays
-    aiohttp's 413.
-    """
-    try:
-        raw = await request.read()
-    except (HttpProcessingError, RequestPayloadError) as exc:
-        reason = " ".join(str(exc.__cause__ or exc).split())
-        raise bad_request(f"Cannot read the request body: {reason}") from exc
-    try:
-        charset = request.charset
-    except ValueError as exc:  # a Content-Type header aiohttp cannot parse
-        raise bad_request(f"Invalid Content-Type header: {exc}") from exc
-    return decode_json_body(raw, charset)
-
-
-#: How a refused `add_requests` answers, first matching row wins: (exception, HTTP status,
-#: OpenAI error type, message prefix). The engine has undone the whole batch in every case.
-SUBMIT_ERRORS: tuple[tuple[type[Exception], int, str, str], ...] = (
-    (InvalidParameter, 400, "invalid_request_error", ""),
-    (EngineDeadError, 503, "service_unavailable", ""),
-    (ValueError, 400, "invalid_request_error", ""),
-    (Exception, 500, "internal_server_error", "the engine refused the request: "),
-)
-
-
-def submit_error(exc: Exception, req: GenerationRequest) -> APIError:
-    """The client's answer to an engine that refused the request's batch (`SUBMIT_ERRORS`)."""
-    status, kind, prefix = next((s, k, p) for c, s, k, p in SUBMIT_ERRORS if isinstance(exc, c))
-    param = None
-    if isinstance(exc, InvalidParameter):
-        # The engine names its own parameters; the route may call them otherwise.
-        names = {"prompt": req.prompt_param, "max_tokens": req.max_tokens_param}
-        param = names.get(exc.param, exc.param)
-    return APIError(status, prefix + str(exc), type=kind, param=param)
 
 
 @dataclass

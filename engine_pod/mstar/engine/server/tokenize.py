@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from mstar.engine.sampling_params import InvalidParameter
-from mstar.engine.server.lifecycle import read_json_body
+from mstar.engine.server.body import read_json_body
 from mstar.engine.server.protocol import (
     APIError,
     bad_request,
