@@ -61,7 +61,8 @@ class Account:
 class Traffic:
     """``clients`` streaming posters on a background thread; `stop` ends them and returns the
     account. ``disconnect_every``: every n-th request is dropped by its client after its first
-    event (its pages must come back)."""
+    event (its pages must come back). ``stagger``: client c asks ``max_tokens + c * stagger``
+    tokens, so streams end at different steps rather than all in one."""
 
     def __init__(
         self,
@@ -71,12 +72,14 @@ class Traffic:
         max_tokens: int = 48,
         deadline: float = 30.0,
         disconnect_every: int = 0,
+        stagger: int = 0,
     ) -> None:
         self.url = url
         self.clients = clients
         self.max_tokens = max_tokens
         self.deadline = deadline
         self.disconnect_every = disconnect_every
+        self.stagger = stagger
         self.account = Account()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
@@ -113,18 +116,21 @@ class Traffic:
         while not self._stopping.is_set():
             n += 1
             drop = self.disconnect_every > 0 and (n * self.clients + c) % self.disconnect_every == 0
-            outcome = await self._one(session, [3 + c % 90, 4 + n % 90, 5], drop)
+            tokens = self.max_tokens + c * self.stagger
+            outcome = await self._one(session, [3 + c % 90, 4 + n % 90, 5], tokens, drop)
             self.account.outcomes.append(outcome)
             if outcome.detail == "nothing listening":
                 return  # the server is gone; nothing more to send
             if outcome.kind != "finished":
                 await asyncio.sleep(0.05)  # a refused client does not spin
 
-    async def _one(self, session: aiohttp.ClientSession, prompt: list[int], drop: bool) -> Outcome:
+    async def _one(
+        self, session: aiohttp.ClientSession, prompt: list[int], tokens: int, drop: bool
+    ) -> Outcome:
         body = {
             "model": "tiny",
             "prompt": prompt,
-            "max_tokens": self.max_tokens,
+            "max_tokens": tokens,
             "stream": True,
             "ignore_eos": True,
         }
