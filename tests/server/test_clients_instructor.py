@@ -1,5 +1,5 @@
-"""instructor 1.17 (installed by scripts/test.sh without its jiter pin) against the live server on the
-real SmolLM2, unchanged, in the two modes its users pick for OpenAI-compatible servers:
+"""instructor 1.17 (installed by scripts/test.sh without its jiter pin) against the live server
+on the real SmolLM2, unchanged, in the two modes its users pick for OpenAI-compatible servers:
 JSON_SCHEMA (`response_format`) and TOOLS (a forced `tool_choice`). Retries are off, so a reply
 the library cannot validate fails the test instead of being retried away.
 
