@@ -27,7 +27,7 @@ from mstar.engine.outputs import RequestOutput
 from mstar.engine.request import Request
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
 from mstar.engine.resources.attention import AttentionResource
-from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
+from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVGroups, KVRequestConfig
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
@@ -100,6 +100,7 @@ class LLMEngine:
                 max_seq_len=self.max_model_len,
                 host_offload_pages=host_offload_pages,
                 enable_prefix_cache=config.enable_prefix_caching,
+                layer_windows=model_config.layer_windows,
             )
         )
         #: Compiles structured-output grammars for this vocabulary (the server validates with it).
@@ -113,17 +114,22 @@ class LLMEngine:
             grammar=self.grammar,
             eos_token_ids=tokenizer.eos_token_ids,
         )
-        attention = AttentionResource(
-            self.kv.cache,
+        backends = [
             select_attention_backend(
                 device, config.attention_backend, dtype, deterministic=config.deterministic
-            ),
+            )
+            for _ in self.kv.groups.labels
+        ]
+        attention = AttentionResource(
+            self.kv.cache,
+            backends[0],
             num_qo_heads=model_config.num_heads,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
             sink_page=self.kv.arena.sink_page,
             sm_scale=model_config.attn_scale,
             layer_windows=model_config.layer_windows,
+            group_backends=backends[1:],
         )
         self.runner = StepRunner(
             {
@@ -174,8 +180,12 @@ class LLMEngine:
         )
         if config.deterministic:
             check_head_dim(device, model_config.head_dim)
+        # A page holds every layer, or on a hybrid model one KV group's share (`KVGroups`).
+        slots = KVGroups.for_layers(model_config.num_layers, model_config.layer_windows).slots
         bytes_per_page = (
             model_config.kv_elements_per_token
+            * slots
+            // model_config.num_layers
             * config.page_size
             * torch.empty((), dtype=dtype).element_size()
         )

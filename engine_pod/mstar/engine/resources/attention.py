@@ -7,6 +7,10 @@ softmax scale and each layer's sliding window (Mistral, Gemma 3) are the resourc
 construction: the backends take them at plan time (FlashInfer plans one wrapper per window)
 and each layer's window again when it runs.
 
+On a hybrid model (`KVGroups`: Gemma 3's sliding and full layers in KV groups of their own)
+each group has its own page table, so its own backend, planned from its `KVPlan.groups` entry;
+a layer runs on its group's backend and write slots.
+
 Under a slot lease with a CUDA-graph bucket the step is planned into that (bucket, slot)'s own
 backend and the slot's static write-slot buffer instead, padded to the bucket with rows on the
 KV sink page (`pad_decode_layout`): the addresses the captured graph recorded stay the same, and
@@ -73,45 +77,54 @@ class PagedAttentionContext:
     """One step's attention: per layer, write K/V at the planned slots, then attend.
 
     A decode-only step on the CPU kernels is resolved once here (`KernelDecodeStep`), so each
-    layer makes two kernel calls and a few stride checks.
+    layer makes two kernel calls and a few stride checks. ``backends`` / ``write_slots`` /
+    ``decodes`` hold one entry per KV group; ``layer_group`` maps a layer to its group.
     """
 
-    __slots__ = ("backend", "cache", "decode", "windows", "write_slots")
+    __slots__ = ("backends", "cache", "decodes", "layer_group", "windows", "write_slots")
 
     def __init__(
         self,
         cache: KVCache,
-        backend: Any,
-        write_slots: torch.Tensor,
+        backends: Sequence[Any],
+        write_slots: Sequence[torch.Tensor],
         windows: tuple[int, ...] = (),
+        layer_group: tuple[int, ...] = (),
     ) -> None:
         self.cache = cache
-        self.backend = backend
-        self.write_slots = write_slots
+        self.backends = tuple(backends)
+        self.write_slots = tuple(write_slots)
         #: per layer, the keys a query sees (0: all); empty: every layer full
         self.windows = windows
-        self.decode: KernelDecodeStep | None = None
-        if isinstance(backend, TorchPagedAttention):
-            self.decode = backend.decode_step(write_slots, cache.tensor.dtype)
+        #: per layer, its KV group; empty: one group
+        self.layer_group = layer_group
+        dtype = cache.tensor.dtype
+        self.decodes: tuple[KernelDecodeStep | None, ...] = tuple(
+            b.decode_step(s, dtype) if isinstance(b, TorchPagedAttention) else None
+            for b, s in zip(self.backends, self.write_slots, strict=True)
+        )
 
     def kernel_decode(self) -> tuple[KernelDecodeStep, torch.Tensor] | None:
         """This step for `cpu_kernels.decode_layers` (see `Decoder`), where it is decode-only
-        on the kernels and the cache is contiguous; None otherwise."""
+        on the kernels, the cache is contiguous and one KV group holds every layer; None
+        otherwise."""
         cache = self.cache.tensor
-        if self.decode is None or not cache.is_contiguous():
+        decode = self.decodes[0]
+        if decode is None or len(self.decodes) > 1 or not cache.is_contiguous():
             return None
-        return self.decode, cache
+        return decode, cache
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         kv_layer = self.cache.layer_view(layer_idx)
         window = self.windows[layer_idx] if self.windows else 0
-        decode = self.decode
+        g = self.layer_group[layer_idx] if self.layer_group else 0
+        decode = self.decodes[g]
         if decode is not None and decode.fits(q, k, v, kv_layer):
             return decode(q, k, v, kv_layer, window)
-        write_kv(kv_layer, k, v, self.write_slots)
-        out: torch.Tensor = self.backend.run(q, kv_layer, window)
+        write_kv(kv_layer, k, v, self.write_slots[g])
+        out: torch.Tensor = self.backends[g].run(q, kv_layer, window)
         return out
 
 
@@ -130,19 +143,33 @@ class AttentionResource(Resource):
         sink_page: int | None = None,
         sm_scale: float | None = None,
         layer_windows: Sequence[int] = (),
+        group_backends: Sequence[Any] = (),
     ) -> None:
         """``sm_scale``: the softmax scale (default ``head_dim ** -0.5``); ``layer_windows``:
-        per layer, the keys a query sees (0: all; empty: every layer full)."""
+        per layer, the keys a query sees (0: all; empty: every layer full);
+        ``group_backends``: a backend per KV group after main (the cache's `KVGroups`)."""
         self.cache = cache
         self.sm_scale = sm_scale
         self.windows = tuple(layer_windows) if any(layer_windows) else ()
         self.backend = backend
+        self.backends = (backend, *group_backends)
+        groups = cache.groups
+        if len(self.backends) != len(groups.labels):
+            raise ValueError(
+                f"{len(self.backends)} attention backends for {len(groups.labels)} KV groups"
+            )
+        self.layer_group = groups.layer_group if groups.hybrid else ()
+        #: per group, the windows its layers run with (FlashInfer plans a wrapper per window)
+        self._group_windows = tuple(
+            frozenset(w for w, g in zip(self.windows, groups.layer_group, strict=False) if g == i)
+            for i in range(len(groups.labels))
+        )
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.kv_key = kv_key
         self.sink_page = sink_page
-        self._graph_backends: dict[SlotLease, Any] = {}
+        self._graph_backends: dict[SlotLease, tuple[Any, ...]] = {}
         self._slot_buffers: dict[int, GrowOnlyBuffers] = {}
 
     def depends_on(self) -> set[str]:
@@ -151,40 +178,58 @@ class AttentionResource(Resource):
     def build_cuda_graph_buffers(
         self, slots: Sequence[SlotLease], max_bs: int, max_seq_len: int
     ) -> None:
-        """A backend per (bucket, slot) and a write-slot buffer per slot; existing ones stay."""
+        """Backends per (bucket, slot) and KV group, write-slot buffers per slot and group;
+        existing ones stay."""
         if self.sink_page is None:
             raise RuntimeError("CUDA-graph padding needs the KV cache's sink page")
         pages_per_row = pages_for(max_seq_len, self.cache.page_size)
         for spec in slots:
             bufs = self._slot_buffers.setdefault(spec.slot, GrowOnlyBuffers(self.cache.device))
-            bufs.ensure("write_slots", max_bs, torch.int64)
+            for g in range(len(self.backends)):
+                bufs.ensure(_slots_name(g), max_bs, torch.int64)
             if spec not in self._graph_backends and spec.bucket is not None:
                 bs = spec.bucket.bs
-                self._graph_backends[spec] = graph_backend(self.backend, bs, bs * pages_per_row)
+                self._graph_backends[spec] = tuple(
+                    graph_backend(b, bs, bs * pages_per_row) for b in self.backends
+                )
 
     def plan(self, step: ResourceStep, ctx: StepContext) -> PagedAttentionContext:
         kv: KVPlan = ctx.plan_results[self.kv_key]
         lease = ctx.slot_lease
         if lease is not None and lease.bucket is not None:
             return self._plan_graph(kv, lease)
-        self._plan(self.backend, kv.qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len)
-        return PagedAttentionContext(self.cache, self.backend, kv.write_slots, self.windows)
+        plans = (kv, *kv.groups)
+        for g, (backend, p) in enumerate(zip(self.backends, plans, strict=True)):
+            self._plan(backend, g, p.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len)
+        slots = [p.write_slots for p in plans]
+        return PagedAttentionContext(
+            self.cache, self.backends, slots, self.windows, self.layer_group
+        )
 
     def _plan_graph(self, kv: KVPlan, lease: SlotLease) -> PagedAttentionContext:
         assert lease.bucket is not None and self.sink_page is not None
-        backend = self._graph_backends.get(lease)
-        if backend is None:
+        backends = self._graph_backends.get(lease)
+        if backends is None:
             raise RuntimeError(f"no CUDA-graph buffers were built for {lease}")
         bs = lease.bucket.bs
-        lay = pad_decode_layout(kv, bs, self.sink_page)
-        self._plan(backend, lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len)
-        slots = self._slot_buffers[lease.slot].get("write_slots", bs)
-        slots.copy_(lay.write_slots, non_blocking=True)
-        return PagedAttentionContext(self.cache, backend, slots, self.windows)
+        bufs = self._slot_buffers[lease.slot]
+        write_slots = []
+        for g, (backend, p) in enumerate(zip(backends, (kv, *kv.groups), strict=True)):
+            lay = pad_decode_layout(p, bs, self.sink_page)
+            self._plan(
+                backend, g, lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len
+            )
+            slots = bufs.get(_slots_name(g), bs)
+            slots.copy_(lay.write_slots, non_blocking=True)
+            write_slots.append(slots)
+        return PagedAttentionContext(
+            self.cache, backends, write_slots, self.windows, self.layer_group
+        )
 
     def _plan(
         self,
         backend: Any,
+        group: int,
         qo_indptr: torch.Tensor,
         kv_indptr: torch.Tensor,
         kv_indices: torch.Tensor,
@@ -201,5 +246,9 @@ class AttentionResource(Resource):
             page_size=self.cache.page_size,
             causal=True,
             sm_scale=self.sm_scale,
-            windows=frozenset(self.windows),
+            windows=self._group_windows[group],
         )
+
+
+def _slots_name(group: int) -> str:
+    return f"write_slots{group}" if group else "write_slots"

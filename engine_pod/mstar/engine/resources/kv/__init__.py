@@ -3,6 +3,7 @@
 from mstar.engine.resources.kv.allocator import SINK_PAGE, PageAllocator, PageArena, PagesExhausted
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.config import KVConfig, KVRequestConfig, KVStep
+from mstar.engine.resources.kv.groups import KVGroups
 from mstar.engine.resources.kv.manager import MAIN_LABEL, KVCacheResource
 from mstar.engine.resources.kv.plan import KVPlan, build_plan
 from mstar.engine.resources.kv.prefix import PrefixIndex, chain_key
@@ -13,6 +14,7 @@ __all__ = [
     "KVCache",
     "KVCacheResource",
     "KVConfig",
+    "KVGroups",
     "KVPlan",
     "KVRequestConfig",
     "KVStep",

@@ -109,21 +109,29 @@ class PageArena:
         return pages
 
     def retain(self, pages: Iterable[int]) -> None:
+        """Add one owner to each page; the sink page (a sliding group's `HOLE`) is skipped."""
         owners = self.owners
         indexed = self.indexed
         watcher = self.watcher
+        sink = self.sink_page
         for p in pages:
+            if p == sink:
+                continue
             n = owners[p] = owners[p] + 1
             if n == 2 and indexed[p] and watcher is not None:
                 watcher.page_busy(p)
 
     def release(self, pages: Iterable[int]) -> int:
-        """Drop one owner of each page; returns how many pages went back to the free list."""
+        """Drop one owner of each page (the sink page skipped); returns how many pages went
+        back to the free list."""
         owners = self.owners
         indexed = self.indexed
         watcher = self.watcher
+        sink = self.sink_page
         freed = []
         for p in pages:
+            if p == sink:
+                continue
             n = owners[p] - 1
             if n < 0:
                 raise AssertionError(f"page {p} released more times than it was owned")

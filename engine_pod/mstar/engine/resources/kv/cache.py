@@ -11,7 +11,10 @@ __all__ = ["KVCache"]
 
 
 class KVCache:
-    """One tensor ``[layers, pages, 2 (K/V), page_size, kv_heads, head_dim]``.
+    """One tensor ``[slots, pages, 2 (K/V), page_size, kv_heads, head_dim]``.
+
+    ``slots`` is the number of layers a page holds: every layer, or on a hybrid model a KV
+    group's share (`KVGroups`); ``layer_view(i)`` is layer ``i``'s slot over every page.
 
     A write slot is ``page * page_size + offset``: the flat token index a layer's K (or V)
     plane has once ``[pages, page_size]`` is merged, which is what `KVPlan.write_slots` holds.
@@ -20,9 +23,11 @@ class KVCache:
     def __init__(self, config: KVConfig) -> None:
         self.page_size = config.page_size
         self.num_layers = config.num_layers
+        self.groups = config.groups
+        self.layer_slot = config.groups.layer_slot
         self.tensor = torch.zeros(
             (
-                config.num_layers,
+                config.groups.slots,
                 config.num_pages,
                 2,
                 config.page_size,
@@ -39,13 +44,13 @@ class KVCache:
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """``[pages, 2, page_size, kv_heads, head_dim]``: what the attention kernel reads."""
-        return self.tensor[layer]
+        return self.tensor[self.layer_slot[layer]]
 
     def write_tokens(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor
     ) -> None:
         """Scatter ``k``/``v`` (``[tokens, kv_heads, head_dim]``) into their slots."""
-        view = self.tensor[layer]
+        view = self.layer_view(layer)
         page = torch.div(write_slots, self.page_size, rounding_mode="floor")
         offset = write_slots - page * self.page_size
         view[page, 0, offset] = k.to(view.dtype)
@@ -55,13 +60,13 @@ class KVCache:
         self, layer: int, write_slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather K and V back from slots (tests and reference attention)."""
-        view = self.tensor[layer]
+        view = self.layer_view(layer)
         page = torch.div(write_slots, self.page_size, rounding_mode="floor")
         offset = write_slots - page * self.page_size
         return view[page, 0, offset], view[page, 1, offset]
 
     def gather_pages(self, pages: list[int]) -> torch.Tensor:
-        """All layers, K and V, of ``pages``: ``[layers, len(pages), 2, ps, heads, dim]``."""
+        """Every slot, K and V, of ``pages``: ``[slots, len(pages), 2, ps, heads, dim]``."""
         index = to_device(pages, torch.long, self.tensor.device)
         return self.tensor.index_select(1, index)
 

@@ -35,18 +35,23 @@ class KVCapacity:
         return self._kv.num_pages_in_transit
 
     def pages_for(self, num_tokens: int) -> int:
-        return pages_for(num_tokens, self.page_size)
+        """Pages a request holding ``num_tokens`` tokens keeps, over every KV group (a
+        sliding group: its window's)."""
+        return self._kv.groups.live_pages(num_tokens, self.page_size)
 
     def pages_to_grow(self, request_id: str, num_tokens: int) -> int:
         """New pages the request needs to hold ``num_tokens`` tokens in all."""
-        return max(0, self.pages_for(num_tokens) - self._kv.pages_held_by(request_id))
+        return self._kv.pages_to_grow(request_id, num_tokens)
 
     def pages_to_admit(self, token_ids: Sequence[int]) -> int:
-        """New pages a request holding nothing needs for ``token_ids``, after the prefix it
-        would reuse now (probed: nothing is taken or counted)."""
+        """New pages a request holding nothing needs for ``token_ids`` in one step, after the
+        prefix it would reuse now (probed: nothing is taken or counted). A sliding group holds
+        every page of a step until its commit, so this is an upper bound when prefill is
+        chunked."""
         kv = self._kv
         cached = kv.probe_prefix(token_ids) if kv.prefix is not None else 0
-        return self.pages_for(len(token_ids)) - cached // self.page_size
+        groups = len(kv.groups.labels)
+        return groups * (pages_for(len(token_ids), self.page_size) - cached // self.page_size)
 
     def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         """Reuse cached prefix pages for a request about to prefill; tokens reused (0 without

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from mstar.engine.resources.kv.groups import KVGroups
 from mstar.engine.resources.step import ResourceStep
 
 __all__ = ["KVConfig", "KVRequestConfig", "KVStep", "pages_for"]
@@ -28,6 +29,9 @@ class KVConfig:
     ``async_copy`` runs offload/reload copies on a copy-worker thread (a dedicated CUDA stream
     on GPU): the call claims the pages and returns, the copy lands later. False completes each
     offload/reload inside the call (claim, copy, commit on the caller's thread).
+
+    ``layer_windows`` (per layer, 0: full) splits a hybrid model's layers into KV groups
+    (`KVGroups`, set as ``groups``): a page then holds ``groups.slots`` layers, not all of them.
     """
 
     num_layers: int
@@ -42,6 +46,8 @@ class KVConfig:
     enable_prefix_cache: bool = False
     reserve_sink_page: bool = True
     async_copy: bool = True
+    layer_windows: tuple[int, ...] = ()
+    groups: KVGroups = field(init=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "max_seq_len"):
@@ -55,6 +61,9 @@ class KVConfig:
             )
         if self.host_offload_pages < 0:
             raise ValueError("KVConfig.host_offload_pages must be >= 0 (0 = no host tier)")
+        self.groups = KVGroups.for_layers(self.num_layers, self.layer_windows)
+        if self.groups.hybrid and not self.reserve_sink_page:
+            raise ValueError("KVConfig: sliding-window KV groups need the sink page (their holes)")
 
     @property
     def num_usable_pages(self) -> int:

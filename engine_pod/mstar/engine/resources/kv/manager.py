@@ -13,6 +13,11 @@ One reentrant lock guards stream and arena state; the allocator has its own lock
 
 Offload and reload to host memory (claim -> copy -> land) are `HostOffload`'s (offload.py);
 prefix reuse and indexing are `PrefixSharing`'s (prefix_sharing.py).
+
+On a hybrid model (`KVGroups`) a request has one stream per group. Steps declare the main
+stream only; every stage applies a main segment to the request's other groups too (one
+all-or-nothing reservation across them), and commit gives a sliding group's pages back once
+they leave its window.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.config import KVConfig, KVRequestConfig, pages_for
 from mstar.engine.resources.kv.copier import CopyWorker
 from mstar.engine.resources.kv.debug import check_pages_conserved, debug_asserts_enabled
+from mstar.engine.resources.kv.groups import HOLE, live_from
 from mstar.engine.resources.kv.host import HostPagePool
 from mstar.engine.resources.kv.offload import HostOffload
 from mstar.engine.resources.kv.plan import KVPlan, build_plan
@@ -41,6 +47,7 @@ from mstar.engine.resources.step import (
     AllocationFailed,
     RequestOffloading,
     ResourceStep,
+    Segment,
     StepContext,
 )
 
@@ -69,6 +76,9 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
             if config.host_offload_pages > 0
             else None
         )
+        self.groups = config.groups
+        #: The groups a main segment also covers, with their windows (hybrid models only).
+        self._linked = tuple(zip(config.groups.labels, config.groups.windows, strict=True))[1:]
         self._streams: dict[str, dict[str, Stream]] = {}
         self._tokens: dict[str, Sequence[int]] = {}
         self._lock = threading.RLock()
@@ -148,7 +158,27 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
         """Device pages the request's streams hold (high-water marks included)."""
         with self._lock:
             per = self._streams.get(request_id)
-            return 0 if per is None else sum(len(s.pages) for s in per.values())
+            if per is None:
+                return 0
+            return sum(len(s.pages) - s.dropped for s in per.values() if s.pages)
+
+    def pages_by_label(self) -> dict[str, int]:
+        """Distinct device pages the requests' streams hold, per KV group (walks the streams:
+        /metrics, tests)."""
+        held: dict[str, set[int]] = {label: set() for label in self.groups.labels}
+        with self._lock:
+            for per in self._streams.values():
+                for label, stream in per.items():
+                    held.setdefault(label, set()).update(stream.pages[stream.dropped :])
+        return {label: len(pages) for label, pages in held.items()}
+
+    def pages_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """New pages an admit takes for the request to hold ``num_tokens`` tokens in all."""
+        need = pages_for(num_tokens, self.page_size)
+        with self._lock:
+            per = self._streams.get(request_id) or {}
+            held = [len(s.pages) for s in per.values()]
+        return sum(max(0, need - h) for h in held) + need * (len(self.groups.labels) - len(held))
 
     def stored_len(self, request_id: str, label: str = MAIN_LABEL) -> int:
         with self._lock:
@@ -167,7 +197,7 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
                 f"KV overrides must be a KVRequestConfig or None, got {type(overrides).__name__}"
             )
         with self._lock:
-            self._streams.setdefault(request_id, {MAIN_LABEL: Stream()})
+            self._streams.setdefault(request_id, self._new_streams())
             if overrides is not None:
                 self._tokens[request_id] = overrides.token_ids
 
@@ -199,6 +229,7 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
                 and request_id not in self._copies
                 and not any(s.offloaded for s in per.values())
                 and all(owners[p] == 1 for s in per.values() for p in s.pages)
+                and not any(s.dropped for s in per.values())
             )
             if keep:
                 for stream in per.values():
@@ -209,8 +240,22 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
                     stream.generation += 1
             else:
                 self._drop_streams(request_id, per)
-                self._streams[request_id] = {MAIN_LABEL: Stream()}
+                self._streams[request_id] = self._new_streams()
             self._check()
+
+    def _new_streams(self) -> dict[str, Stream]:
+        return {label: Stream() for label in self.groups.labels}
+
+    def _expand(self, segments: Sequence[Segment]) -> Sequence[Segment]:
+        """The segments with each main one repeated for the request's other KV groups."""
+        if not self._linked:
+            return segments
+        out: list[Segment] = []
+        for seg in segments:
+            out.append(seg)
+            if seg[1] == MAIN_LABEL:
+                out.extend(Segment(seg[0], label, seg[2]) for label, _ in self._linked)
+        return out
 
     def _drop_streams(self, request_id: str, per: dict[str, Stream]) -> None:
         """Release the streams' pages; a copy moving some of them releases those on landing."""
@@ -226,6 +271,7 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
         segments = step.segments
         if not segments:
             return ADMIT_OK
+        segments = self._expand(segments)
         ps = self.page_size
         max_len = self.config.max_seq_len
         usable = self.arena.num_usable
@@ -269,7 +315,7 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
                 need = pages_for(seq, ps)
                 held = len(stream.pages)
                 if need > held:
-                    if need > usable:
+                    if need - stream.dropped > usable:
                         return _refuse(
                             RequestRejected(
                                 f"request {rid!r} needs {need} KV pages but the cache has only "
@@ -326,8 +372,18 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
 
     def plan(self, step: ResourceStep, ctx: StepContext) -> KVPlan:
         segments = step.segments or ()
+        ps, device = self.page_size, self.cache.device
         with self._lock:
-            return build_plan(segments, self._streams, self.page_size, self.cache.device)
+            main = build_plan(segments, self._streams, ps, device)
+            if not self._linked:
+                return main
+            if any(seg[1] != MAIN_LABEL for seg in segments):
+                raise RuntimeError("a hybrid model's KV steps declare main segments only")
+            groups = tuple(
+                build_plan([Segment(r, g, n) for r, _, n in segments], self._streams, ps, device)
+                for g, _ in self._linked
+            )
+            return main._replace(groups=groups)
 
     def commit(self, step: ResourceStep, ctx: StepContext) -> None:
         """Advance lengths (unless ``step.commit`` is False), then index newly filled pages."""
@@ -337,9 +393,10 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
         advance = getattr(step, "commit", True)
         index = self.prefix is not None and not ctx.capture
         ps = self.page_size
+        windows = dict(self._linked)
         with self._lock:
             streams = self._streams
-            for rid, label, span in segments:
+            for rid, label, span in self._expand(segments):
                 per = streams.get(rid)
                 stream = None if per is None else per.get(label)
                 if stream is None or not stream.step_in_flight:
@@ -351,6 +408,9 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
                 stream.generation += 1
                 if index and label == MAIN_LABEL and stored // ps > len(stream.keys):
                     self._index_pages(rid, stream)
+                window = windows.get(label, 0)
+                if window and live_from(stored, window, ps) > stream.dropped:
+                    self._slide(stream, live_from(stored, window, ps))
             if self._debug:
                 self._check()
 
@@ -390,6 +450,14 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
     def _check(self) -> None:
         if self._debug:
             self.assert_pages_conserved()
+
+    def _slide(self, stream: Stream, live: int) -> None:
+        """Give back a sliding group's pages before ``live``: no query reads them again."""
+        gone = stream.pages[stream.dropped : live]
+        self.arena.release(gone)
+        stream.pages[stream.dropped : live] = [HOLE] * len(gone)
+        stream.dropped = live
+        stream.generation += 1
 
     def _drop_stream_storage(self, stream: Stream) -> None:
         if stream.pages:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from mstar.engine.resources.kv.allocator import PageArena
 from mstar.engine.resources.kv.config import pages_for
 from mstar.engine.resources.kv.copier import CopyWorker
+from mstar.engine.resources.kv.groups import HOLE
 from mstar.engine.resources.kv.host import HostPagePool
 from mstar.engine.resources.kv.prefix import PrefixIndex
 from mstar.engine.resources.kv.stream import Stream
@@ -72,7 +73,7 @@ class HostOffload:
         prefix = self.prefix
         count = 0
         for stream in per.values():
-            for page in stream.pages:
+            for page in stream.pages[stream.dropped :]:
                 others = owners[page] - 1 - (1 if prefix is not None and prefix.holds(page) else 0)
                 if others == 0:
                     count += 1
@@ -104,7 +105,8 @@ class HostOffload:
             if freed == 0:
                 return 0
             live = [s for s in per.values() if s.pages]
-            needed = [s.pages[: pages_for(s.stored_len, ps)] for s in live]
+            # A sliding group's holes stay holes: only its live pages travel.
+            needed = [s.pages[s.dropped : pages_for(s.stored_len, ps)] for s in live]
             host_pages = host.reserve(sum(len(pages) for pages in needed))
             if host_pages is None:
                 return 0
@@ -154,9 +156,10 @@ class HostOffload:
             start = 0
             for stream in back:
                 n = len(stream.host_pages)
-                stream.pages = pages[start : start + n]
+                fresh = pages[start : start + n]
+                stream.pages = [HOLE] * stream.dropped + fresh
                 start += n
-                moves.append(Move(stream, stream.pages, stream.host_pages))
+                moves.append(Move(stream, fresh, stream.host_pages))
             copy = Copy(request_id, False, moves, 0, self.host.mark_ready())
             self._copies.add(copy)
             self._check()

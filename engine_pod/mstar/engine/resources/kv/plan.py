@@ -37,6 +37,8 @@ class KVPlan(NamedTuple):
     num_tokens: int
     is_decode: bool
     page_size: int
+    #: A hybrid model's other KV groups (`KVGroups` order after main), same rows.
+    groups: tuple[KVPlan, ...] = ()
 
 
 def build_plan(

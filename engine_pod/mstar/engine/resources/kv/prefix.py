@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from mstar.engine.resources.kv.allocator import PageArena
 
-__all__ = ["ROOT_KEY", "PrefixIndex", "chain_key"]
+__all__ = ["ROOT_KEY", "PrefixIndex", "chain_key", "group_key"]
 
 #: Parent key of a sequence's first page.
 ROOT_KEY = b""
@@ -32,6 +32,15 @@ def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(array("q", tokens).tobytes())
     return h.digest()
+
+
+def group_key(key: bytes, label: str) -> bytes:
+    """The key of another KV group's page at the position the main chain keys ``key``.
+
+    Such pages are indexed as roots (no parent): the main key already names the whole prefix,
+    and a sliding group keeps only its window, so each can be evicted alone, LRU.
+    """
+    return hashlib.blake2b(key, digest_size=16, person=label.encode()[:16]).digest()
 
 
 class _Entry:
@@ -92,6 +101,11 @@ class PrefixIndex:
         self._clock += 1
         entry.stamp = self._clock
         return entry.page
+
+    def peek(self, key: bytes) -> int | None:
+        """The page keyed ``key``, or None; the LRU clock does not move (probes)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.page
 
     def insert(self, key: bytes, page: int, parent: bytes | None) -> bool:
         """Index ``page`` under ``key`` and take an owner reference on it.

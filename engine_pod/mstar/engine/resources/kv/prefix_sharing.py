@@ -2,6 +2,11 @@
 offering newly filled pages to the index at commit.
 
 A mixin of `KVCacheResource`: it works on the cache's streams, arena, prefix index and lock.
+
+On a hybrid model the other KV groups' pages are indexed under `group_key` of the main key at
+the same position, and a hit is the longest main prefix for which every group has the pages
+its next query reads (a sliding group: its window before the hit's end; as vLLM's
+sliding-window manager looks for them).
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from mstar.engine.resources.kv.allocator import PageArena
-from mstar.engine.resources.kv.prefix import ROOT_KEY, PrefixIndex, chain_key
+from mstar.engine.resources.kv.groups import HOLE, live_from
+from mstar.engine.resources.kv.prefix import ROOT_KEY, PrefixIndex, chain_key, group_key
 from mstar.engine.resources.kv.stream import MAIN_LABEL, Stream
 
 __all__ = ["PrefixSharing"]
@@ -25,6 +31,7 @@ class PrefixSharing:
     prefix: PrefixIndex | None
     prefix_queries: int
     prefix_hits: int
+    _linked: tuple[tuple[str, int], ...]
     _streams: dict[str, dict[str, Stream]]
     _tokens: dict[str, Sequence[int]]
     _lock: threading.RLock
@@ -51,12 +58,21 @@ class PrefixSharing:
                 return stream.stored_len
             self.prefix_queries += len(token_ids)
             pages, keys = self._lookup_prefix(token_ids)
+            fit, linked = self._fit_groups(keys)
+            pages, keys = pages[:fit], keys[:fit]
             self.arena.retain(pages)
             stream.pages = pages
             stream.keys = keys
             stream.stored_len = matched = len(pages) * ps
             stream.matched = matched
             stream.generation += 1
+            for label, live, group_pages in linked:
+                other = per[label] = Stream()
+                self.arena.retain(group_pages)
+                other.pages = [HOLE] * live + group_pages
+                other.dropped = live
+                other.stored_len = matched
+                other.generation += 1
             self.prefix_hits += matched
             self._check()
             return matched
@@ -64,7 +80,33 @@ class PrefixSharing:
     def probe_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens `match_prefix` would reuse now; takes nothing and counts nothing."""
         with self._lock:
-            return len(self._lookup_prefix(token_ids)[0]) * self.page_size
+            return self._fit_groups(self._lookup_prefix(token_ids)[1])[0] * self.page_size
+
+    def _fit_groups(self, keys: list[bytes]) -> tuple[int, list[tuple[str, int, list[int]]]]:
+        """How many of the main prefix's pages every other KV group can follow, and each
+        group's (first live page, its indexed pages from there) at that length."""
+        prefix = self.prefix
+        if not self._linked or prefix is None or not keys:
+            return len(keys), [(label, 0, []) for label, _ in self._linked]
+        ps = self.page_size
+        found: dict[str, list[int | None]] = {}
+        runs: dict[str, list[int]] = {}
+        for label, _ in self._linked:
+            pages = found[label] = [prefix.peek(group_key(key, label)) for key in keys]
+            run = runs[label] = []
+            for i, page in enumerate(pages):
+                run.append(0 if page is None else (run[i - 1] if i else 0) + 1)
+        fit = len(keys)
+        while fit and not all(
+            runs[label][fit - 1] >= fit - live_from(fit * ps, window, ps)
+            for label, window in self._linked
+        ):
+            fit -= 1
+        out = []
+        for label, window in self._linked:
+            live = live_from(fit * ps, window, ps)
+            out.append((label, live, [p for p in found[label][live:fit] if p is not None]))
+        return fit, out
 
     def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """Indexed pages (and their keys) of the longest whole-page prefix, at most len - 1."""
@@ -98,11 +140,16 @@ class PrefixSharing:
         keys = stream.keys
         full = min(stream.stored_len, len(tokens)) // ps
         parent: bytes | None = keys[-1] if keys else None
+        per = self._streams[rid]
+        others = [(label, per[label].pages) for label, _ in self._linked if label in per]
         for i in range(len(keys), full):
             key = chain_key(
                 parent if parent is not None else ROOT_KEY, tokens[i * ps : (i + 1) * ps]
             )
             prefix.insert(key, stream.pages[i], parent)
+            for label, pages in others:  # still held: commit indexes before a group slides
+                if i < len(pages) and pages[i] != HOLE:
+                    prefix.insert(group_key(key, label), pages[i], None)
             keys.append(key)
             parent = key
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["Stream"]
+from mstar.engine.resources.kv.groups import MAIN_LABEL
 
-
-#: The only label our Llama models use; streams stay keyed by (request_id, label) regardless.
-MAIN_LABEL = "main"
+__all__ = ["MAIN_LABEL", "Stream"]
 
 
 class Stream:
@@ -22,9 +20,13 @@ class Stream:
     while a copy is in flight both ``pages`` (being read, or being written by a reload) and
     ``host_pages`` are held. ``generation`` moves whenever the stream's pages or length change,
     so an offload that lands can tell whether the bytes it copied are still the stream's.
+
+    ``dropped``: leading pages a sliding group gave back (`HOLE` entries in ``pages``; an
+    offload copies and a reload restores only the pages after them).
     """
 
     __slots__ = (
+        "dropped",
         "generation",
         "host_pages",
         "keys",
@@ -44,3 +46,4 @@ class Stream:
         self.keys: list[bytes] = []
         self.matched: int | None = None
         self.generation = 0
+        self.dropped = 0
