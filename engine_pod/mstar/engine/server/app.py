@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from mstar.engine.config import EngineConfig
+from mstar.engine.resources.kv import KVCacheResource
 from mstar.engine.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -207,7 +208,12 @@ def build_app(
     kv = engine.kv
     cache = CacheConfig(kv.page_size, kv.num_pages, kv.config.host_offload_pages)
     decoder = getattr(engine, "decoder", None)  # test fakes have none
-    metrics_ = ServerMetrics(engine.model_name, cache, getattr(decoder, "parameter_counts", None))
+    metrics_ = ServerMetrics(
+        engine.model_name,
+        cache,
+        getattr(decoder, "parameter_counts", None),
+        (kv.pages_by_label, kv.cache.page_bytes) if isinstance(kv, KVCacheResource) else None,
+    )
     state = ServerState(
         engine=engine,
         async_engine=AsyncEngine(

@@ -13,11 +13,12 @@ ended it. prometheus_client is thread-safe, so both sides write directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 # Text format 0.0.4: what every Prometheus 2.x parses (1.0.0 needs a newer scraper).
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -91,11 +92,16 @@ class ServerMetrics:
         model_name: str,
         cache: CacheConfig | None = None,
         parameters: tuple[int, int] | None = None,
+        kv_groups: tuple[Callable[[], Mapping[str, int]], int] | None = None,
     ) -> None:
         """``parameters``: the model's (held, active per token) counts (an MoE model reads
-        only its routed experts per token), exported as ``mstar:model_parameters``."""
+        only its routed experts per token), exported as ``mstar:model_parameters``;
+        ``kv_groups``: (pages requests hold per KV group, bytes of a page), read at each scrape
+        as ``mstar:kv_cache_held_pages`` / ``mstar:kv_cache_held_bytes`` by ``group``."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        if kv_groups is not None:
+            self.registry.register(_KVGroupsCollector(model_name, *kv_groups))
         labels = ["model_name"]
         reg = self.registry
 
@@ -253,3 +259,39 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _KVGroupsCollector:
+    """Pages and bytes the requests hold per KV group (a hybrid model's sliding groups keep
+    their window only), read from the KV cache when scraped: a walk over the streams."""
+
+    def __init__(self, model_name: str, held: Callable[[], Mapping[str, int]], page_bytes: int):
+        self._model = model_name
+        self._held = held
+        self._page_bytes = page_bytes
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return list(self._families({}))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return self._families(self._held())
+
+    def _families(self, held: Mapping[str, int]) -> Iterator[GaugeMetricFamily]:
+        labels = ["model_name", "group"]
+        pages = GaugeMetricFamily(
+            "mstar:kv_cache_held_pages",
+            "KV pages requests hold, per KV group.",
+            None,
+            labels,
+        )
+        size = GaugeMetricFamily(
+            "mstar:kv_cache_held_bytes",
+            "KV bytes requests hold, per KV group.",
+            None,
+            labels,
+        )
+        for group, n in held.items():
+            pages.add_metric([self._model, group], n)
+            size.add_metric([self._model, group], n * self._page_bytes)
+        yield pages
+        yield size

@@ -39,6 +39,12 @@ class KVCache:
         )
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of its layers (one KV group's, on a hybrid model)."""
+        t = self.tensor
+        return t.numel() // t.shape[1] * t.element_size()
+
+    @property
     def device(self) -> torch.device:
         return self.tensor.device
 
