@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels import cpu_kernels
+from mstar.kernels.attention_sinks import attend_with_sinks, softmax_with_sinks
 from mstar.kernels.paged_layout import (
     KernelDecodeStep,
     kv_lengths,
@@ -356,7 +357,14 @@ class TorchPagedAttention:
                 # Prompt chunks: causal attention over the cache pages, rows written in place.
                 page_table = g.page_table.view(g.batch, -1)
                 kernel.paged_prefill(
-                    q, kv_layer, page_table, g.kv_lens, g.q_starts, g.q_lens, self._scale, out,
+                    q,
+                    kv_layer,
+                    page_table,
+                    g.kv_lens,
+                    g.q_starts,
+                    g.q_lens,
+                    self._scale,
+                    out,
                     sinks,
                 )
                 continue
@@ -395,7 +403,7 @@ class TorchPagedAttention:
             kb, vb = k[b : b + 1, :, :kv_len], v[b : b + 1, :, :kv_len]
             if sinks is not None:  # SDPA has no sink: the scores, one more column, softmax
                 mask = self._group_mask(g, window)[b : b + 1, :, :n, :kv_len]
-                o = _attend_with_sinks(qb, kb, vb, mask, self._scale, sinks)
+                o = attend_with_sinks(qb, kb, vb, mask, self._scale, sinks)
             elif n == kv_len and self._causal and not window:
                 o = F.scaled_dot_product_attention(
                     qb, kb, vb, is_causal=True, scale=self._scale, enable_gqa=gqa
@@ -500,32 +508,10 @@ class TorchPagedAttention:
         qg = q.view(g.batch * hkv, group, d).float()  # one query row: heads grouped by KV head
         bias = g.biases[window]
         scores = torch.baddbmm(bias, qg, k.transpose(1, 2).float(), alpha=self._scale)
-        if sinks is not None:  # [Hq] -> a last score column, rows b * Hkv + kv head
-            sink = sinks.float().view(1, hkv, group, 1).expand(g.batch, -1, -1, -1)
-            scores = torch.cat((scores, sink.reshape(g.batch * hkv, group, 1)), dim=-1)
-            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        if sinks is not None:  # [Hq] as [Hkv, group] per sequence: rows b * Hkv + kv head
+            sink = sinks.view(1, hkv, group, 1).expand(g.batch, -1, -1, -1)
+            probs = softmax_with_sinks(scores, sink.reshape(g.batch * hkv, group, 1))
         else:
             probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, v.reshape(g.batch * hkv, -1, d).float())
         return out.to(q.dtype).view(g.batch, hq, d)
-
-
-def _attend_with_sinks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    sinks: torch.Tensor,
-) -> torch.Tensor:
-    """Masked attention of q [1, Hq, n, D] over k, v [1, Hkv, L, D] with a sink logit per head
-    as one more score column (dropped after the softmax), in float32 as transformers' eager
-    gpt-oss attention; [1, Hq, n, D] in q's dtype."""
-    group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = (q.float() @ kf.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-    return (probs @ vf).to(q.dtype)

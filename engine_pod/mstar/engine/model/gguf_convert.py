@@ -15,12 +15,7 @@ llama.cpp's fixed values, not in the file. Byte-level BPE vocabularies become a 
 here; SentencePiece ones (``tokenizer.ggml.model == "llama"``, Gemma) go through transformers'
 own GGUF tokenizer conversion (slow for Gemma's 262k pieces, done once).
 
-MoE files, as llama.cpp's converter writes them (`_moe_config`, `_fuse_expert_stacks`):
-``qwen3moe`` and ``llama`` with ``expert_count`` (Mixtral); each layer's router
-``ffn_gate_inp`` and its experts stacked, ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, H] and
-``ffn_down_exps`` [E, H, I], become transformers 5's fused ``experts.gate_up_proj`` [E, 2I, H]
-and ``experts.down_proj``. llama.cpp always renormalises Qwen3-MoE's top-k
-(``norm_topk_prob``) and gives Mixtral no sliding window; a layer without a router is dense.
+MoE files (``qwen3moe``; ``llama`` with ``expert_count``, Mixtral) go through `gguf_moe`.
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from mstar.engine.model.config import ModelLoadError
+from mstar.engine.model.gguf_moe import fuse_expert_stacks, moe_config, moe_hf_name
 from mstar.engine.model.registry import family_for_gguf
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -153,13 +149,6 @@ _HF_ARCH = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
-#: an MoE layer's GGUF tensors -> their HF names under the layer's MoE module
-_MOE_NAMES = {
-    "ffn_gate_inp.weight": "gate.weight",
-    "ffn_gate_exps.weight": "experts.gate_proj",
-    "ffn_up_exps.weight": "experts.up_proj",
-    "ffn_down_exps.weight": "experts.down_proj",
-}
 #: llama.cpp's Gemma 3 constants (not stored in the file)
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -177,46 +166,8 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
         local = (_GEMMA3_NAMES if arch == "gemma3" else _TENSOR_NAMES).get(rest)
         if local is not None:
             return f"model.layers.{idx}.{local}"
-        if rest in _MOE_NAMES:  # Mixtral's module is block_sparse_moe, Qwen's mlp
-            module = "block_sparse_moe" if arch == "llama" else "mlp"
-            return f"model.layers.{idx}.{module}.{_MOE_NAMES[rest]}"
+        return moe_hf_name(idx, rest, arch)
     return None
-
-
-def _moe_config(reader: Any, arch: str, cfg: dict[str, Any]) -> None:
-    """The MoE fields of an MoE file's config (in place): Mixtral for a ``llama`` file with
-    experts, Qwen3-MoE's expert width, top-k and dense layers (those without a router)."""
-    p = f"{arch}."
-    experts = int(_field(reader, p + "expert_count", 0) or 0)
-    if not experts:
-        return
-    used = int(_field(reader, p + "expert_used_count"))
-    if arch == "llama":
-        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
-                   num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)  # fmt: skip
-        return
-    routed = {
-        t.name.split(".")[1] for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")
-    }
-    width = int(_field(reader, p + "expert_feed_forward_length"))
-    cfg.update(
-        num_experts=experts,
-        num_experts_per_tok=used,
-        moe_intermediate_size=width,
-        intermediate_size=int(_field(reader, p + "feed_forward_length", width) or width),
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[i for i in range(int(cfg["num_hidden_layers"])) if str(i) not in routed],
-    )
-
-
-def _fuse_expert_stacks(tensors: dict[str, torch.Tensor]) -> None:
-    """Each MoE layer's gate and up stacks -> one ``experts.gate_up_proj`` [E, 2I, H] (in
-    place), the layout `load_moe_block_` reads."""
-    for gate_name in [n for n in tensors if n.endswith(".experts.gate_proj")]:
-        prefix = gate_name[: -len("gate_proj")]
-        gate, up = tensors.pop(gate_name), tensors.pop(prefix + "up_proj")
-        tensors[prefix + "gate_up_proj"] = torch.cat((gate, up), dim=1).contiguous()
 
 
 def _round_f32(x: float) -> float:
@@ -283,7 +234,7 @@ def _build_config(reader: Any, arch: str, tied: bool) -> dict[str, Any]:
         )
     else:
         cfg["use_sliding_window"] = False
-    _moe_config(reader, arch, cfg)
+    moe_config(lambda key: _field(reader, key), [t.name for t in reader.tensors], arch, cfg)
     return cfg
 
 
@@ -415,7 +366,7 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     tensors = _read_tensors(reader, arch, heads, kv_heads)
-    _fuse_expert_stacks(tensors)
+    fuse_expert_stacks(tensors)
     tied = "lm_head.weight" not in tensors
     config = _build_config(reader, arch, tied)
     tok_json, tok_cfg = _build_tokenizer(reader, src)

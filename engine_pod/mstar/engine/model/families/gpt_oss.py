@@ -26,13 +26,13 @@ def _own(cfg: dict[str, Any]) -> dict[str, Any]:
         kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         cfg = {**cfg, "layer_types": kinds}
     bias = bool(cfg.get("attention_bias", True))
+    windowed = {**cfg, "sliding_window": cfg.get("sliding_window", 128)}
     return {
         "head_dim": int(cfg.get("head_dim") or 64),
         "qkv_bias": bias,
         "o_bias": bias,
         "mlp_bias": False,
-        "layer_windows": layer_windows({**cfg, "sliding_window": cfg.get("sliding_window", 128)},
-                                       layers),  # fmt: skip
+        "layer_windows": layer_windows(windowed, layers),
         "attn_sinks": True,
         **moe_fields(cfg),
     }
