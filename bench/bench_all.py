@@ -258,9 +258,12 @@ def llama_cpp_gguf(dtype: str) -> Path:
     return out
 
 
-def offline_llama_cpp(dtype: str, new: int, repeat: int) -> dict[str, float]:
-    """llama-bench at batch 1: best prompt (128 tokens) and decode tok/s over ``repeat`` runs."""
-    cmd = [str(llama_cpp_bin() / "llama-bench"), "-m", str(llama_cpp_gguf(dtype))]
+def offline_llama_cpp(
+    dtype: str, new: int, repeat: int, gguf: Path | None = None
+) -> dict[str, float]:
+    """llama-bench at batch 1: best prompt (128 tokens) and decode tok/s over ``repeat`` runs,
+    of ``gguf`` (default: the packaged SmolLM2 as ``dtype``)."""
+    cmd = [str(llama_cpp_bin() / "llama-bench"), "-m", str(gguf or llama_cpp_gguf(dtype))]
     cmd += ["-p", "128", "-n", str(new), "-r", str(repeat), "-t", str(os.cpu_count()), "-o", "json"]
     runs = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     best = {"pp": 0.0, "tg": 0.0}

@@ -77,6 +77,17 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, object]]] = {
         {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48,
          "sliding_window": 8},
     ),
+    # sliding (8) and full layers alternating, YaRN, a clamp low enough to bind, sinks random
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {"num_hidden_layers": 2, "head_dim": 16, "num_local_experts": 8,
+         "num_experts_per_tok": 2, "intermediate_size": 48, "sliding_window": 8,
+         "swiglu_limit": 1.5,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 64}},
+    ),
 }  # fmt: skip
 
 
@@ -90,10 +101,13 @@ def randomize_(model: torch.nn.Module, seed: int = 1234) -> None:
                 # Gemma's norms scale by 1 + w: w around 0 there, around 1 elsewhere
                 centre = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
                 p.copy_(centre + torch.rand(p.shape, generator=gen) - 0.5)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 # MoE routers: logits a few units apart, so the top-k is clear of float32
                 # rounding and the weights still matter (not one expert taking ~all)
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif name.endswith("sinks"):
+                # gpt-oss: logits of the order of a few keys' scores, so the sink matters
+                p.copy_(torch.randn(p.shape, generator=gen) + 1.0)
             elif name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             else:

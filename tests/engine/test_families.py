@@ -2,6 +2,9 @@
 biases random too), float32 greedy token for token: offline through the engine (prompts
 longer than the sliding windows, chunked prefill mixed with decode) and through the server.
 
+gpt-oss runs its sinks through every attention path: chunked prompts (the prefill kernel on
+full layers, one-query rows on the sliding ones) and decode.
+
 Phi-3's prompts stay under its LongRoPE pretraining length and its generations cross it:
 there transformers and the engine both rotate each new token with the long table.
 """
@@ -30,7 +33,7 @@ NEW_TOKENS = 14
 #: (family, `build_tiny_model` overrides): Mixtral with its sliding window and without
 CASES = [
     pytest.param((family, {}), id=family)
-    for family in ("qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral")
+    for family in ("qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral", "gpt_oss")
 ] + [pytest.param(("mixtral", {"sliding_window": None}), id="mixtral-full")]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
@@ -123,6 +126,7 @@ def test_bf16_kernels_stay_close_to_torch_ops(family_case, monkeypatch, request)
         ("gemma3", "the gemma3 layer, q/k norm, sliding-window attention"),
         ("qwen3_moe", "the qwen3_moe layer, q/k norm"),
         ("mixtral", "the mixtral layer, sliding-window attention"),
+        ("gpt_oss", "the gpt_oss layer, sliding-window attention, attention sinks"),
     ],
 )
 def test_fused_decode_is_refused_by_name(tmp_path, family, reason) -> None:

@@ -117,11 +117,16 @@ class PoolContext:
         self.windows = windows
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(self.kv[layer_idx], k, v, self.slots)
         window = self.windows[layer_idx] if self.windows else 0
-        return self.backend.run(q, self.kv[layer_idx], window)
+        return self.backend.run(q, self.kv[layer_idx], window, sinks)
 
 
 def greedy(

@@ -37,9 +37,10 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def reference(q, k, v, causal=True, window=0, scale=None):
+def reference(q, k, v, causal=True, window=0, scale=None, sinks=None):
     """Dense attention for one sequence: q [Q,Hq,D] are the last Q of k/v [L,Hkv,D];
-    ``window``: each query sees its last ``window`` keys (its own included)."""
+    ``window``: each query sees its last ``window`` keys (its own included); ``sinks`` [Hq]:
+    one more score per head that weighs no value (transformers' gpt-oss eager attention)."""
     qn, hq, d = q.shape
     length, hkv, _ = k.shape
     g = hq // hkv
@@ -52,6 +53,9 @@ def reference(q, k, v, causal=True, window=0, scale=None):
         scores = scores.masked_fill(kpos > qpos, float("-inf"))
     if window:
         scores = scores.masked_fill(kpos <= qpos - window, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(hq, qn, 1)
+        return torch.einsum("hqk,khd->qhd", torch.cat((scores, sink), -1).softmax(-1)[..., :-1], vv)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
 
 
@@ -191,6 +195,31 @@ def test_sliding_window_matches_dense_reference(page_size, hq, hkv, specs, windo
         torch.testing.assert_close(out[rows].double(), ref, atol=1e-5, rtol=1e-5)
         ref_full = reference(q[rows], k, v, scale=scale)
         torch.testing.assert_close(full[rows].double(), ref_full, atol=1e-5, rtol=1e-5)
+        start += q_len
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("page_size,hq,hkv,specs", CASES[:3])
+def test_attention_sinks_match_dense_reference(page_size, hq, hkv, specs, window, dtype,
+                                               use_kernels):  # fmt: skip
+    """gpt-oss's sinks on every path (decode rows, prompt chunks, whole prompts; full and
+    sliding-window layers): logits large enough to take a real share of each softmax."""
+    d, scale = 32, 0.3
+    pool, dense, q, plan = build_case(3, page_size, hq, hkv, d, specs, dtype=dtype)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(5)) + 1.0
+    backend = TorchPagedAttention(use_kernels=use_kernels)
+    backend.plan(*plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page_size,
+                 sm_scale=scale)  # fmt: skip
+    out = backend.run(q, pool, window, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    start = 0
+    for (k, v), (_, q_len) in zip(dense, specs, strict=True):
+        rows = slice(start, start + q_len)
+        ref = reference(q[rows], k, v, window=window, scale=scale, sinks=sinks)
+        torch.testing.assert_close(out[rows].double(), ref, atol=tol, rtol=tol)
+        without = reference(q[rows], k, v, window=window, scale=scale)
+        assert (ref - without).abs().max() > 1e-2  # the sinks matter here
         start += q_len
 
 

@@ -23,10 +23,14 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from mstar.engine.model import ModelLoadError, load_model
@@ -66,7 +70,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, str] | None = None):
     """A tiny random model as transformers module + the same weights in a GGUF file;
     ``qtypes``: GGUF tensor name suffix (``attn_q.weight``, ``output.weight``) -> the ggml
-    type it is quantized to (the module keeps the float weights)."""
+    type it is quantized to (the module keeps the float weights). MoE families ("qwen3moe",
+    "mixtral": a ``llama`` file with experts) as llama.cpp's converter writes them: routers
+    ``ffn_gate_inp``, experts stacked in ``ffn_{gate,up,down}_exps``."""
     qtypes = qtypes or {}
 
     def add(name: str, arr: np.ndarray) -> None:
@@ -105,12 +111,22 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, st
     elif family == "qwen3":  # q/k norms: random, so a lost or misnamed one changes the logits
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // heads))
         randomize_(model, seed)
+    elif family == "qwen3moe":  # every layer routed, top-k renormalised (as llama.cpp runs it)
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(**common, **moe, head_dim=hidden // heads, norm_topk_prob=True)
+        )
+        randomize_(model, seed)
+    elif family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4))
+        randomize_(model, seed)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
         randomize_qkv_bias_(model)
     model.eval()
+    arch = "llama" if family == "mixtral" else family
 
-    w = gguf.GGUFWriter(str(path), arch=family)
+    w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_block_count(2)
     w.add_context_length(64)
     w.add_embedding_length(hidden)
@@ -121,6 +137,11 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, st
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hidden // heads)
     w.add_vocab_size(n_vocab)
+    if family in ("qwen3moe", "mixtral"):
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+    if family == "qwen3moe":
+        w.add_expert_feed_forward_length(16)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -141,7 +162,9 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, st
         "post_attention_layernorm": "ffn_norm",
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate": "ffn_gate_inp",  # MoE routers (Mixtral's too, in transformers 5)
     }
+    experts = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
     for name, p in model.state_dict().items():
         arr = p.detach().float().numpy().copy()
         if name == "model.embed_tokens.weight":
@@ -154,10 +177,15 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, st
         else:
             _, _, idx, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            if family == "llama" and module == "self_attn.q_proj":
+            if arch == "llama" and module == "self_attn.q_proj":
                 arr = _permute(arr, heads)
-            elif family == "llama" and module == "self_attn.k_proj":
+            elif arch == "llama" and module == "self_attn.k_proj":
                 arr = _permute(arr, kv_heads)
+            if kind in experts:  # transformers' fused stacks [E, 2I, H] / [E, H, I]
+                parts = np.split(arr, len(experts[kind]), axis=1)
+                for gguf_name, part in zip(experts[kind], parts, strict=True):
+                    add(f"blk.{idx}.{gguf_name}.weight", np.ascontiguousarray(part))
+                continue
             add(f"blk.{idx}.{names[module]}.{kind}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -166,12 +194,14 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, st
     return model, tok
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_converted_tiny_gguf_matches_transformers(tmp_path, family):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral"])
+def test_converted_tiny_gguf_matches_transformers(tmp_path, family, monkeypatch):
     hf, hf_tok = write_tiny_gguf(tmp_path / "tiny.gguf", family)
-    target = gc.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
-    decoder, cfg, tok = load_model(target, "float32")
-    assert cfg.family == family and cfg.tie_word_embeddings == (family == "llama")
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    decoder, cfg, tok = load_model(tmp_path / "tiny.gguf", "float32")  # as --model x.gguf
+    assert cfg.family == {"qwen3moe": "qwen3_moe"}.get(family, family)
+    assert cfg.tie_word_embeddings == (family == "llama")
+    assert len(cfg.moe_layers) == (2 if family in ("qwen3moe", "mixtral") else 0)
     text = "the quick brown fox 🚀 jumps"
     ids = tok.encode(text)
     assert ids == hf_tok.encode(text).ids

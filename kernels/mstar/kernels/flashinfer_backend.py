@@ -286,9 +286,19 @@ class FlashInferPagedAttention:
             )
             return prefill
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention for q [T, Hq, D] against one layer's NHD cache view (``window``: a
-        sliding-window layer's, planned in this step's ``windows``)."""
+        sliding-window layer's, planned in this step's ``windows``). ``sinks`` are refused:
+        the paged prefill/decode wrappers planned here take none (FlashInfer's sink attention
+        is a separate wrapper, not wired or verified on a GPU here)."""
+        if sinks is not None:
+            raise ValueError("attention sinks (gpt-oss) are not supported on the FlashInfer path")
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         wrapper = self._wrappers.get(window)
@@ -394,9 +404,17 @@ class FlashInferGraphDecode:
         self._staging.queued()
         self.plans += 1
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self._wrapper is None:
             raise RuntimeError("FlashInfer graph decode run before its first plan")
+        if sinks is not None:
+            raise ValueError("attention sinks (gpt-oss) are not supported on the FlashInfer path")
         if window:
             raise ValueError("CUDA-graph decode does not run sliding-window layers")
         self.runs += 1

@@ -18,6 +18,10 @@ included, as transformers' masks do) take `paged_decode`'s window for decode row
 of such a layer become one-query rows over their own keys (`per_query_rows`), so the window is
 one per-row bound in the same kernel, and the torch path masks it.
 
+Attention sinks (gpt-oss, ``run(..., sinks=s)``): a learned logit per query head joins each
+softmax's denominator (and its max) but weighs no value, so a head may attend to nothing. The
+kernels take them as float32 [Hq]; the torch path appends them as one more score column.
+
 ``deterministic`` (``--deterministic``): the two kernels sum a position's scores and values in
 different orders, so a token's numbers would depend on whether it was attended in a prompt
 chunk, a whole prompt or a decode step (recompute, prefix hits, step budgets). Every query row
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels import cpu_kernels
+from mstar.kernels.attention_sinks import attend_with_sinks, softmax_with_sinks
 from mstar.kernels.paged_layout import (
     KernelDecodeStep,
     kv_lengths,
@@ -74,7 +79,15 @@ class PagedAttentionBackend(Protocol):
         that plans per window needs them here; 0 is a full layer)."""
         ...
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor: ...
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``sinks``: float32 [Hq] attention-sink logits (gpt-oss), or None."""
+        ...
 
 
 @dataclass
@@ -306,9 +319,16 @@ class TorchPagedAttention:
             spans=list(zip(qo[seqs].tolist(), q_lens.tolist(), kv_lens.tolist(), strict=True)),
         )
 
-    def run(self, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention for q [T, Hq, D] against one layer's cache; returns [T, Hq, D].
-        ``window`` > 0: each query sees its last ``window`` keys only."""
+        ``window`` > 0: each query sees its last ``window`` keys only; ``sinks``: float32
+        [Hq] logits in every softmax's denominator (gpt-oss)."""
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         hq, d = self._num_qo_heads, self._head_dim
@@ -323,30 +343,39 @@ class TorchPagedAttention:
         if kernel is not None and len(self._groups) == 1 and self._groups[0].q_max == 1:
             # Decode rows only: row i is sequence i, so the kernel reads q in place (a view of
             # the fused QKV rows) and its output is the answer, no gather or scatter.
-            return self._kernel_decode(kernel, self._groups[0], q, kv_layer, window)
+            return self._kernel_decode(kernel, self._groups[0], q, kv_layer, window, sinks)
         if kernel is not None and window:
-            return self._kernel_decode(kernel, self._rows_group(), q, kv_layer, window)
+            return self._kernel_decode(kernel, self._rows_group(), q, kv_layer, window, sinks)
         out = q.new_empty(q.shape)
         for g in self._groups:
             if g.q_max == 1 and kernel is not None:
                 qg = q.index_select(0, g.q_rows)  # [B, Hq, D], contiguous
-                out.index_copy_(0, g.out_dst, self._kernel_decode(kernel, g, qg, kv_layer))
+                decoded = self._kernel_decode(kernel, g, qg, kv_layer, 0, sinks)
+                out.index_copy_(0, g.out_dst, decoded)
                 continue
             if kernel is not None and self._causal:
                 # Prompt chunks: causal attention over the cache pages, rows written in place.
                 page_table = g.page_table.view(g.batch, -1)
                 kernel.paged_prefill(
-                    q, kv_layer, page_table, g.kv_lens, g.q_starts, g.q_lens, self._scale, out
+                    q,
+                    kv_layer,
+                    page_table,
+                    g.kv_lens,
+                    g.q_starts,
+                    g.q_lens,
+                    self._scale,
+                    out,
+                    sinks,
                 )
                 continue
             length = g.pages_max * self._page_size
             k, v = self._gather(g, kv_layer)  # [B, Hkv, L, D] each
             if g.q_max == 1:
                 qg = q.index_select(0, g.q_rows).view(g.batch, g.q_max, hq, d)
-                flat = self._decode_rows(g, qg, k.reshape(-1, length, d), v, window)
+                flat = self._decode_rows(g, qg, k.reshape(-1, length, d), v, window, sinks)
                 out.index_copy_(0, g.out_dst, flat.index_select(0, g.out_src))
                 continue
-            self._extend_rows(g, q, k, v, out, window)
+            self._extend_rows(g, q, k, v, out, window, sinks)
         return out
 
     def _extend_rows(
@@ -357,6 +386,7 @@ class TorchPagedAttention:
         v: torch.Tensor,
         out: torch.Tensor,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Several queries per sequence: SDPA one sequence at a time, over its real keys only.
 
@@ -371,7 +401,10 @@ class TorchPagedAttention:
             # math path, measured 4-16x slower here than the flash kernel it picks for 4-D.
             qb = q[start : start + n].transpose(0, 1)[None]
             kb, vb = k[b : b + 1, :, :kv_len], v[b : b + 1, :, :kv_len]
-            if n == kv_len and self._causal and not window:
+            if sinks is not None:  # SDPA has no sink: the scores, one more column, softmax
+                mask = self._group_mask(g, window)[b : b + 1, :, :n, :kv_len]
+                o = attend_with_sinks(qb, kb, vb, mask, self._scale, sinks)
+            elif n == kv_len and self._causal and not window:
                 o = F.scaled_dot_product_attention(
                     qb, kb, vb, is_causal=True, scale=self._scale, enable_gqa=gqa
                 )
@@ -400,12 +433,18 @@ class TorchPagedAttention:
         return KernelDecodeStep(kernel, page_table, g.kv_lens, self._scale, slots)
 
     def _kernel_decode(
-        self, kernel: Any, g: _Group, q: torch.Tensor, kv_layer: torch.Tensor, window: int = 0
+        self,
+        kernel: Any,
+        g: _Group,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`cpu_kernels.paged_decode` over a one-query group; q [B, Hq, D], row b = sequence b."""
         page_table = g.page_table.view(g.batch, -1)
         out: torch.Tensor = kernel.paged_decode(
-            q, kv_layer, page_table, g.kv_lens, self._scale, window
+            q, kv_layer, page_table, g.kv_lens, self._scale, window, sinks
         )
         return out
 
@@ -438,7 +477,13 @@ class TorchPagedAttention:
         return kv[0], kv[1]
 
     def _decode_rows(
-        self, g: _Group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+        self,
+        g: _Group,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query per sequence: two batched matmuls, scores and probabilities in float32.
 
@@ -463,6 +508,10 @@ class TorchPagedAttention:
         qg = q.view(g.batch * hkv, group, d).float()  # one query row: heads grouped by KV head
         bias = g.biases[window]
         scores = torch.baddbmm(bias, qg, k.transpose(1, 2).float(), alpha=self._scale)
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # [Hq] as [Hkv, group] per sequence: rows b * Hkv + kv head
+            sink = sinks.view(1, hkv, group, 1).expand(g.batch, -1, -1, -1)
+            probs = softmax_with_sinks(scores, sink.reshape(g.batch * hkv, group, 1))
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, v.reshape(g.batch * hkv, -1, d).float())
         return out.to(q.dtype).view(g.batch, hq, d)

@@ -111,11 +111,13 @@ class KernelDecodeStep:
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write k/v at the step's slots, then attend q; row b of q is sequence b."""
+        """Write k/v at the step's slots, then attend q; row b of q is sequence b
+        (``sinks``: float32 [Hq] attention-sink logits, or None)."""
         self.kernel.write_kv(kv_layer, k, v, self.slots)
         out: torch.Tensor = self.kernel.paged_decode(
-            q, kv_layer, self.page_table, self.kv_lens, self.scale, window
+            q, kv_layer, self.page_table, self.kv_lens, self.scale, window, sinks
         )
         return out
 

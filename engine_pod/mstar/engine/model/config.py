@@ -89,6 +89,8 @@ class ModelConfig:
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size) (in the model dtype)
     query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power when set
     final_logit_softcap: float | None = None
+    #: a learned logit per query head in every attention softmax's denominator (gpt-oss)
+    attn_sinks: bool = False
     #: the MoE block of the layers in `moe_layers` (their MLP); None: every MLP is dense
     moe: MoeSpec | None = None
     moe_layers: tuple[int, ...] = ()

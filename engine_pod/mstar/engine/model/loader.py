@@ -129,6 +129,11 @@ def _load_layer(
     its linear method (whatever parameters that method's module holds), a norm through
     `RMSNorm.load_`, an MoE block (``local`` "moe", ``names`` its checkpoint module) through
     `load_moe_block_`; what the config does not have (a bias, a q/k norm) is skipped."""
+    if local == "sinks":  # gpt-oss: one float32 logit per query head
+        sinks = model.layers[i].sinks
+        if sinks is not None:
+            _copy(sinks, reader[names[0]], names[0])
+        return
     if local == "moe":
         block = getattr(model.layers[i], "moe", None)
         if isinstance(block, MoeBlock):
@@ -243,6 +248,11 @@ def load_model(
     if not folder.is_dir():
         raise ModelLoadError(f"model path is not a directory: {folder}")
     cfg = ModelConfig.from_file(folder / "config.json")
+    if cfg.attn_sinks and torch.device(device).type != "cpu":
+        raise ModelLoadError(
+            f"{cfg.family}: attention sinks run on the CPU attention paths only (the FlashInfer "
+            "plan takes none here)"
+        )
     torch_dtype = resolve_dtype(dtype)
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
     dev = torch.device(device)

@@ -8,6 +8,7 @@ from typing import Any
 from mstar.engine.model.config import ModelLoadError
 from mstar.engine.model.families import (
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -27,6 +28,7 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,
     qwen3_moe.FAMILY,
     mixtral.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(a for f in FAMILIES for a in f.architectures)

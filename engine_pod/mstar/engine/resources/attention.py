@@ -115,16 +115,25 @@ class PagedAttentionContext:
         return decode, cache
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv_layer = self.cache.layer_view(layer_idx)
         window = self.windows[layer_idx] if self.windows else 0
         g = self.layer_group[layer_idx] if self.layer_group else 0
         decode = self.decodes[g]
         if decode is not None and decode.fits(q, k, v, kv_layer):
-            return decode(q, k, v, kv_layer, window)
+            return decode(q, k, v, kv_layer, window, sinks)
         write_kv(kv_layer, k, v, self.write_slots[g])
-        out: torch.Tensor = self.backends[g].run(q, kv_layer, window)
+        backend = self.backends[g]
+        if sinks is None:  # backends without sinks take the arguments they always did
+            out: torch.Tensor = backend.run(q, kv_layer, window)
+        else:
+            out = backend.run(q, kv_layer, window, sinks)
         return out
 
 

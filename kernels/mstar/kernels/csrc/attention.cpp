@@ -157,7 +157,8 @@ void weigh_values_n(int n, const T* v0, const int64_t* off, int64_t len, const f
 template <typename T, int NV>
 void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* kv,
             const int64_t* table, const int64_t* all_lens, T* out, int64_t batch, int64_t hq,
-            int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window) {
+            int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window,
+            const float* sinks) {
   constexpr int64_t dim = NV * W;
   constexpr int HT_MAX = kValueHeads<NV>;
   const int64_t group = hq / hkv;
@@ -270,6 +271,7 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
         }
         float mx = m[0];
         for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
+        if (sinks) mx = std::max(mx, sinks[h]);  // the sink's logit joins the softmax
         vf sum = vf{};
         for (int64_t c = 0; c < padded; c += W) {
           vf e = vexp(load(sh + c) - mx);
@@ -277,7 +279,7 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
           store(sh + c, e);
           sum += e;
         }
-        inv[h] = 1.f / hsum(sum);
+        inv[h] = 1.f / (sinks ? hsum(sum) + std::exp(sinks[h] - mx) : hsum(sum));
       }
       for (int64_t hk = 0; hk < hkv; ++hk) {
         const T* v0 = kv + plane + hk * dim;
@@ -309,7 +311,9 @@ void decode(const T* q, int64_t q_batch_stride, int64_t q_head_stride, const T* 
 // exp(scale * (x - max)) over a score row's keys [0, lim), in place, and 1 / their sum. The
 // last vector's lanes past lim are masked, not its keys computed one scalar exp at a time (the
 // row must hold finite values up to round_up(lim, W); they come back zero). scale 1 is exact.
-inline float masked_softmax(float* row, int64_t lim, float scale, vi lane) {
+// `sink` (gpt-oss): a head's learned logit, in scaled units, that joins the denominator only.
+inline float masked_softmax(float* row, int64_t lim, float scale, vi lane,
+                            float sink = -INFINITY) {
   const int64_t vec_end = round_up(lim, W);
   const vi tail = lane < static_cast<int32_t>(lim - (vec_end - W));
   vf m = vf{} - INFINITY;
@@ -319,6 +323,9 @@ inline float masked_softmax(float* row, int64_t lim, float scale, vi lane) {
   }
   float mx = m[0];
   for (int e = 1; e < W; ++e) mx = std::max(mx, m[e]);
+  const bool has_sink = sink != -INFINITY;
+  const float s = sink / scale;  // in the row's units
+  if (has_sink) mx = std::max(mx, s);
   vf sum = vf{};
   for (int64_t j = 0; j < vec_end; j += W) {
     vf e = vexp((load(row + j) - mx) * scale);
@@ -326,7 +333,7 @@ inline float masked_softmax(float* row, int64_t lim, float scale, vi lane) {
     store(row + j, e);
     sum += e;
   }
-  return 1.f / hsum(sum);
+  return 1.f / (has_sink ? hsum(sum) + std::exp((s - mx) * scale) : hsum(sum));
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -349,7 +356,7 @@ template <typename T, int NV>
 void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* table,
              int64_t max_pages, const int64_t* kv_lens, const int64_t* q_starts,
              const int64_t* q_lens, int64_t batch, T* out, int64_t hq, int64_t hkv,
-             int64_t page_size, float scale) {
+             int64_t page_size, float scale, const float* sinks) {
   constexpr int64_t D = NV * W;
   constexpr int PC = std::min(NV, std::max(1, kAccVecs / PF_R));  // value vectors per pass
   static_assert(NV % PC == 0);
@@ -490,7 +497,7 @@ void prefill(const T* q, int64_t qs0, int64_t qs1, const T* kv, const int64_t* t
           }
           // (the block computed finite scores past the row's keys, for its later rows)
           const int64_t lim = first + i0 + i + 1;
-          inv[i] = masked_softmax(row, lim, 1.f, lane);
+          inv[i] = masked_softmax(row, lim, 1.f, lane, sinks ? sinks[h] : -INFINITY);
           for (int64_t j = round_up(lim, W); j < hi; ++j) row[j] = 0.f;
         }
         for (int c = 0; c < NV; c += PC) {
@@ -533,7 +540,7 @@ template <int NV>
 void prefill_amx(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kv, const int64_t* table,
                  int64_t max_pages, const int64_t* kv_lens, const int64_t* q_starts,
                  const int64_t* q_lens, int64_t batch, bf16* out, int64_t hq, int64_t hkv,
-                 int64_t page_size, float scale) {
+                 int64_t page_size, float scale, const float* sinks) {
   constexpr int64_t D = NV * W, PAIRS = D / 2, KSTEPS = D / 32, DTILES = D / 16;
   static_assert(D % 32 == 0);
   const int64_t group = hq / hkv, head_row = hkv * D;
@@ -645,7 +652,7 @@ void prefill_amx(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kv, const 
             }
             // (the tiles computed finite scores past the row's keys, for other rows)
             const int64_t lim = first + i0 + i + 1;
-            inv[i] = masked_softmax(row, lim, scale, lane);
+            inv[i] = masked_softmax(row, lim, scale, lane, sinks ? sinks[h] : -INFINITY);
             for (int64_t j = round_up(lim, W); j < h32; ++j) row[j] = 0.f;
             for (int64_t j = 0; j < h32; j += 32)
               _mm512_storeu_si512(prow + j,
@@ -698,10 +705,11 @@ void prefill_amx(const bf16* q, int64_t qs0, int64_t qs1, const bf16* kv, const 
 template <typename T>
 void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
                 const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
-                int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window) {
+                int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window,
+                const float* sinks) {
 #define DECODE(NV)                                                                         \
   decode<T, NV>(q, qs0, qs1, kv, table, lens, out, batch, hq, hkv, page_size, max_pages, scale, \
-                window)
+                window, sinks)
   switch (dim) {
     case 16: return DECODE(16 / W);
     case 32: return DECODE(32 / W);
@@ -717,21 +725,21 @@ template <typename T>
 void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
                  const int64_t* table, int64_t max_pages, const int64_t* kv_lens,
                  const int64_t* q_starts, const int64_t* q_lens, int64_t batch, T* out,
-                 int64_t hq, int64_t hkv, int64_t page_size, float scale) {
+                 int64_t hq, int64_t hkv, int64_t page_size, float scale, const float* sinks) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     if (request_amx()) {
       switch (dim) {
         case 32: return prefill_amx<32 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts,
-                                            q_lens, batch, out, hq, hkv, page_size, scale);
+                                            q_lens, batch, out, hq, hkv, page_size, scale, sinks);
         case 64: return prefill_amx<64 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts,
-                                            q_lens, batch, out, hq, hkv, page_size, scale);
+                                            q_lens, batch, out, hq, hkv, page_size, scale, sinks);
         case 128: return prefill_amx<128 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens,
                                               q_starts, q_lens, batch, out, hq, hkv, page_size,
-                                              scale);
+                                              scale, sinks);
         case 256: return prefill_amx<256 / W>(q, qs0, qs1, kv, table, max_pages, kv_lens,
                                               q_starts, q_lens, batch, out, hq, hkv, page_size,
-                                              scale);
+                                              scale, sinks);
         default: break;
       }
     }
@@ -739,7 +747,7 @@ void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
 #endif
 #define PREFILL(NV)                                                                          \
   prefill<T, NV>(q, qs0, qs1, kv, table, max_pages, kv_lens, q_starts, q_lens, batch, out, hq, \
-                 hkv, page_size, scale)
+                 hkv, page_size, scale, sinks)
   switch (dim) {
     case 16: return PREFILL(16 / W);
     case 32: return PREFILL(32 / W);
@@ -753,14 +761,14 @@ void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
 
 template void decode_dim<float>(int64_t, const float*, int64_t, int64_t, const float*,
                                 const int64_t*, const int64_t*, float*, int64_t, int64_t,
-                                int64_t, int64_t, int64_t, float, int64_t);
+                                int64_t, int64_t, int64_t, float, int64_t, const float*);
 template void decode_dim<bf16>(int64_t, const bf16*, int64_t, int64_t, const bf16*,
                                const int64_t*, const int64_t*, bf16*, int64_t, int64_t, int64_t,
-                               int64_t, int64_t, float, int64_t);
+                               int64_t, int64_t, float, int64_t, const float*);
 template void prefill_dim<float>(int64_t, const float*, int64_t, int64_t, const float*,
                                  const int64_t*, int64_t, const int64_t*, const int64_t*,
                                  const int64_t*, int64_t, float*, int64_t, int64_t, int64_t,
-                                 float);
+                                 float, const float*);
 template void prefill_dim<bf16>(int64_t, const bf16*, int64_t, int64_t, const bf16*,
                                 const int64_t*, int64_t, const int64_t*, const int64_t*,
                                 const int64_t*, int64_t, bf16*, int64_t, int64_t, int64_t, float);

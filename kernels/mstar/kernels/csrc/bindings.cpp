@@ -56,15 +56,26 @@ torch::Tensor pack_input(const torch::Tensor& weight, const char* op) {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The attention sinks' logits (float32 [hq], contiguous) or nullptr where there are none.
+const float* sink_logits(const c10::optional<torch::Tensor>& sinks, int64_t hq) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
+                  sinks->dim() == 1 && sinks->size(0) == hq,
+              "sinks must be a contiguous float32 [num_qo_heads]");
+  return sinks->data_ptr<float>();
+}
+
 }  // namespace
 
 std::string isa_level() { return mstar_cpu::isa_level(); }
 
 // q [B, Hq, D] (heads contiguous, any batch stride); kv_layer [pages, 2, S, Hkv, D];
 // page_table int64 [B, max_pages]; kv_lens int64 [B]; window > 0: each row attends its last
-// `window` keys only (0: all). Returns [B, Hq, D].
+// `window` keys only (0: all); sinks (gpt-oss): float32 [Hq], each head's learned logit in the
+// softmax's denominator. Returns [B, Hq, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_table,
-                           torch::Tensor kv_lens, double scale, int64_t window) {
+                           torch::Tensor kv_lens, double scale, int64_t window,
+                           c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(kv_layer.dim() == 5 && page_table.dim() == 2, "bad ranks");
   check_head_rows(q, "q");
   TORCH_CHECK(kv_layer.is_contiguous() && page_table.is_contiguous() && kv_lens.is_contiguous(),
@@ -79,21 +90,23 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_layer, torch::Tenso
   auto out = torch::empty({batch, hq, dim}, q.options());
   const auto* table = page_table.data_ptr<int64_t>();
   const auto* lens = kv_lens.data_ptr<int64_t>();
+  const float* sink = sink_logits(sinks, hq);
   by_dtype(q, "paged_decode", [&](auto tag) {
     using T = decltype(tag);
     mstar_cpu::decode_dim<T>(dim, q.data_ptr<T>(), q.stride(0), q.stride(1), kv_layer.data_ptr<T>(), table,
                   lens, out.data_ptr<T>(), batch, hq, hkv, page_size, page_table.size(1),
-                  static_cast<float>(scale), window);
+                  static_cast<float>(scale), window, sink);
   });
   return out;
 }
 
 // Causal attention of the several-query sequences of a step, writing their rows of out
 // [T, Hq, D] (contiguous): q [T, Hq, D] (heads contiguous), kv_layer [pages, 2, S, Hkv, D],
-// page_table int64 [B, max_pages], kv_lens / q_starts / q_lens int64 [B].
+// page_table int64 [B, max_pages], kv_lens / q_starts / q_lens int64 [B]; sinks as
+// `paged_decode` takes them.
 void paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_table,
                    torch::Tensor kv_lens, torch::Tensor q_starts, torch::Tensor q_lens,
-                   double scale, torch::Tensor out) {
+                   double scale, torch::Tensor out, c10::optional<torch::Tensor> sinks) {
   check_head_rows(q, "q");
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2 && kv_layer.is_contiguous(),
               "kv_layer must be a contiguous [pages, 2, S, H, D]");
@@ -121,11 +134,12 @@ void paged_prefill(torch::Tensor q, torch::Tensor kv_layer, torch::Tensor page_t
       TORCH_CHECK(table[b * max_pages + j] >= 0 && table[b * max_pages + j] < pages,
                   "paged_prefill: page ", table[b * max_pages + j], " is outside the cache");
   }
+  const float* sink = sink_logits(sinks, hq);
   by_dtype(q, "paged_prefill", [&](auto tag) {
     using T = decltype(tag);
     mstar_cpu::prefill_dim<T>(q.size(2), q.data_ptr<T>(), q.stride(0), q.stride(1), kv_layer.data_ptr<T>(),
                    table, max_pages, lens, starts, qlens, batch, out.data_ptr<T>(), hq, hkv,
-                   page_size, static_cast<float>(scale));
+                   page_size, static_cast<float>(scale), sink);
   });
 }
 
@@ -418,7 +432,7 @@ std::vector<torch::Tensor> decode_layers(
     write_kv(kv_layer, qk.narrow(1, num_heads, num_kv_heads),
              fused.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim}), slots);
     const auto attn = paged_decode(qk.narrow(1, 0, num_heads), kv_layer, page_table, kv_lens,
-                                   scale, 0);
+                                   scale, 0, c10::nullopt);
     x = small_linear(attn.view({t, q_size}), o[i], hidden, biases[4 * i + 1]);
     add_rms_norm_(x, residual, norm_post[i], eps);
     const auto act = silu_mul(small_linear(x, gate_up[i], 2 * inter, biases[4 * i + 2]));
@@ -437,8 +451,15 @@ namespace {
 void define(pybind11::module_& m) {
 #define MSTAR_DEF(name) m.def(#name, torch::wrap_pybind_function_no_gil(name), #name)
   MSTAR_DEF(isa_level);
-  MSTAR_DEF(paged_decode);
-  MSTAR_DEF(paged_prefill);
+  // sinks: optional, so callers without them pass the positional arguments they always did
+  namespace py = pybind11;
+  m.def("paged_decode", torch::wrap_pybind_function_no_gil(paged_decode), "paged_decode",
+        py::arg("q"), py::arg("kv_layer"), py::arg("page_table"), py::arg("kv_lens"),
+        py::arg("scale"), py::arg("window"), py::arg("sinks") = py::none());
+  m.def("paged_prefill", torch::wrap_pybind_function_no_gil(paged_prefill), "paged_prefill",
+        py::arg("q"), py::arg("kv_layer"), py::arg("page_table"), py::arg("kv_lens"),
+        py::arg("q_starts"), py::arg("q_lens"), py::arg("scale"), py::arg("out"),
+        py::arg("sinks") = py::none());
   MSTAR_DEF(write_kv);
   MSTAR_DEF(add_rms_norm_);
   MSTAR_DEF(rope_);

@@ -21,13 +21,14 @@ const char* isa_level();
 template <typename T>
 void decode_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
                 const int64_t* table, const int64_t* lens, T* out, int64_t batch, int64_t hq,
-                int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window);
+                int64_t hkv, int64_t page_size, int64_t max_pages, float scale, int64_t window,
+                const float* sinks);
 // Causal prompt-chunk attention over the same pages; out [T, Hq, D] contiguous.
 template <typename T>
 void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
                  const int64_t* table, int64_t max_pages, const int64_t* kv_lens,
                  const int64_t* q_starts, const int64_t* q_lens, int64_t batch, T* out,
-                 int64_t hq, int64_t hkv, int64_t page_size, float scale);
+                 int64_t hq, int64_t hkv, int64_t page_size, float scale, const float* sinks);
 
 // -- glue ops (glue.cpp) ----------------------------------------------------------------------
 template <typename T>

@@ -41,6 +41,7 @@ FAMILY = Family(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
+    gguf_architectures=("qwen3moe",),
     own=_own,
     names=_names,
     fused_decode=False,  # `decode_layers` runs dense MLPs only
