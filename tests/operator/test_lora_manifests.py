@@ -19,6 +19,7 @@ import yaml
 from crd_schema import admit
 from op_harness import ROOT
 
+from mstar.engine.config import parse_cli_args
 from mstar.operator import adapter_sync, router
 from mstar.operator.adapters import ADAPTERS_KEY
 from mstar.operator.children import build_children, child_of
@@ -53,18 +54,39 @@ HUB_SOURCE = {"id": "org/tiny-lora", "tokenSecret": {"name": "hf"}}
 HUB = {"name": "hub", "source": {"huggingFace": HUB_SOURCE}}
 
 
+def lora_on(doc: dict[str, Any], slots: int = 2) -> dict[str, Any]:
+    doc["spec"]["engine"]["maxLoras"] = slots
+    return doc
+
+
 def test_adapters_on_paths_the_pod_has_change_nothing_in_the_pod_template() -> None:
-    """Image paths and the model's own PVC hot-load: the Deployment (template and config hash)
-    is the same with and without them; only the ConfigMap's unhashed adapter list differs."""
-    bare = children(cr([]))
-    with_adapters = children(cr([SQL, CHAT]))
+    """With LoRA on (engine.maxLoras), image paths and the model's own PVC hot-load: the
+    Deployment (template and config hash) is the same with and without them; only the
+    ConfigMap's unhashed adapter list differs."""
+    bare = children(lora_on(cr([])))
+    with_adapters = children(lora_on(cr([SQL, CHAT])))
     assert with_adapters[("Deployment", NAME)] == bare[("Deployment", NAME)]
     listed = json.loads(with_adapters[("ConfigMap", config_map_name(NAME))]["data"][ADAPTERS_KEY])
     # The model's PVC is mounted at /models: an adapter on it is a folder under that mount.
     assert listed == {"sql": "/opt/adapters/sql", "chat": "/models/adapters/chat"}
     assert json.loads(bare[("ConfigMap", config_map_name(NAME))]["data"][ADAPTERS_KEY]) == {}
     (container,) = with_adapters[("Deployment", NAME)]["spec"]["template"]["spec"]["containers"]
-    assert not [a for a in container["args"] if "lora" in a]
+    config = parse_cli_args(container["args"])
+    assert config.enable_lora and config.lora_modules == [] and config.max_loras == 2
+
+
+def test_the_first_adapter_turns_lora_on_once() -> None:
+    """Without engine.maxLoras the engines start without LoRA: the first adapter adds
+    --enable-lora (a new template: one rollout); later ones are hot."""
+    off = parse_cli_args(args_of(children(cr([]))))
+    on = parse_cli_args(args_of(children(cr([SQL]))))
+    assert not off.enable_lora and on.enable_lora
+    assert args_of(children(cr([SQL]))) == args_of(children(cr([SQL, CHAT])))
+
+
+def args_of(objs: dict[tuple[str, str], Any]) -> list[str]:
+    (container,) = objs[("Deployment", NAME)]["spec"]["template"]["spec"]["containers"]
+    return list(container["args"])
 
 
 def test_an_adapter_on_another_pvc_mounts_it_and_a_hub_adapter_is_downloaded() -> None:

@@ -385,5 +385,7 @@ def engine_config(spec: MStarSpec) -> EngineConfig:
         nnodes=nodes,
         # The same for every pod of a group; the pod's own rank is added per pod (lws.py).
         dist_init_addr=f"$({LWS_LEADER_ADDRESS}):{DIST_PORT}" if nodes > 1 else None,
+        # The adapters themselves are no flag (adapters.py): the operator loads them at run time.
+        enable_lora=spec.serves_lora,
         **values,
     )
