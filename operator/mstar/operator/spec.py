@@ -225,12 +225,7 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
         problems.append(
             f"spec.model.source: set exactly one of path, pvc, huggingFace (got {sorted(source)})"
         )
-    for kind, defaults in SOURCE_DEFAULTS.items():
-        if isinstance(source.get(kind), Mapping):
-            source[kind] = _merge_defaults(source[kind], defaults)
-    hf = source.get("huggingFace")
-    if isinstance(hf, dict) and isinstance(hf.get("tokenSecret"), Mapping):
-        hf["tokenSecret"] = _merge_defaults(hf["tokenSecret"], TOKEN_SECRET_DEFAULTS)
+    _default_source(source, SOURCE_DEFAULTS)
     if model:
         raw["model"] = {**model, "source": source} if source else dict(model)
     raw["adapters"], adapter_problems = _parse_adapters(raw.get("adapters"), raw)
@@ -278,6 +273,16 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
     return MStarSpec(raw)
 
 
+def _default_source(source: dict[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Fill a model's or an adapter's source (in place) with its kind's defaults."""
+    for kind, values in defaults.items():
+        if isinstance(source.get(kind), Mapping):
+            source[kind] = _merge_defaults(source[kind], values)
+    hf = source.get("huggingFace")
+    if isinstance(hf, dict) and isinstance(hf.get("tokenSecret"), Mapping):
+        hf["tokenSecret"] = _merge_defaults(hf["tokenSecret"], TOKEN_SECRET_DEFAULTS)
+
+
 def _parse_adapters(value: Any, raw: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """spec.adapters with source defaults, and what the schema cannot say (unique names, none
     named like the base model, one source each)."""
@@ -302,12 +307,7 @@ def _parse_adapters(value: Any, raw: Mapping[str, Any]) -> tuple[list[dict[str, 
             problems.append(
                 f"{where}.source: set exactly one of path, pvc, huggingFace (got {sorted(source)})"
             )
-        for kind, defaults in ADAPTER_SOURCE_DEFAULTS.items():
-            if isinstance(source.get(kind), Mapping):
-                source[kind] = _merge_defaults(source[kind], defaults)
-        hf = source.get("huggingFace")
-        if isinstance(hf, dict) and isinstance(hf.get("tokenSecret"), Mapping):
-            hf["tokenSecret"] = _merge_defaults(hf["tokenSecret"], TOKEN_SECRET_DEFAULTS)
+        _default_source(source, ADAPTER_SOURCE_DEFAULTS)
         out.append({**item, "name": name, "source": source})
     return out, problems
 
