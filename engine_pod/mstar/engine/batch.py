@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from mstar.engine.outputs import RequestError, TokenLogprob
 from mstar.engine.request import Request
-from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
+from mstar.engine.resource_keys import ATTN, KV, LORA, ROPE, SAMPLER
 from mstar.engine.resources.kv import MAIN_LABEL
 from mstar.engine.resources.sampling import SampleOutput
 from mstar.engine.resources.step import ResourceStep, Segment, StepContext, SubmoduleStep
@@ -103,6 +103,8 @@ def declare_step(rows: list[ScheduledRow]) -> tuple[SubmoduleStep, list[int]]:
     segments = [Segment(r.request.request_id, MAIN_LABEL, r.num_tokens) for r in rows]
     steps: dict[str, ResourceStep] = {KV: ResourceStep(), ATTN: ResourceStep()}
     steps[ROPE] = ResourceStep()
+    if any(LORA in r.request.overrides for r in rows):
+        steps[LORA] = ResourceStep()  # some row names an adapter
     sample_rows = [i for i, r in enumerate(rows) if r.num_tokens == r.request.num_uncomputed]
     if sample_rows:
         steps[SAMPLER] = ResourceStep(tuple(segments[i] for i in sample_rows))

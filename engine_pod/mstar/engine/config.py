@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar.engine.lora.modules import parse_lora_module
+
 EVICTION_POLICIES = ("lru", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -212,6 +214,32 @@ class EngineConfig:
         ),
     )
 
+    enable_lora: bool = field(
+        default=False,
+        metadata=_flag(
+            "Serve LoRA adapters beside the base model (vLLM's flag; implied by --lora-modules "
+            "and by loading adapters at run time through /v1/load_lora_adapter)."
+        ),
+    )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata=_flag(
+            "LoRA adapters served at start, each NAME=PATH (a PEFT folder: adapter_config.json "
+            'and adapter_model.safetensors) or vLLM\'s JSON {"name": ..., "path": ..., '
+            '"base_model_name": ...}; a request whose model is NAME uses that adapter.'
+        ),
+    )
+    max_loras: int = field(
+        default=1,
+        metadata=_flag(
+            "Adapters resident at once (slots); a request for another waits while the least "
+            "recently used idle adapter is evicted and its own is loaded."
+        ),
+    )
+    max_lora_rank: int = field(
+        default=16, metadata=_flag("Largest LoRA rank an adapter may have (slot size).")
+    )
+
     def __post_init__(self) -> None:
         problems = self.validate()
         if problems:
@@ -237,6 +265,7 @@ class EngineConfig:
         for name in ("stall_timeout_seconds", "request_timeout_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"--{_dash(name)} must be >= 0")
+        problems += self._lora_problems()
         if any(bs < 1 for bs in self.cuda_graph_batch_sizes):
             problems.append("--cuda-graph-batch-sizes must all be >= 1")
         problems += self._parallel_problems()
@@ -271,6 +300,21 @@ class EngineConfig:
                 problems.append(f"--dist-init-addr must be HOST:PORT (got {self.dist_init_addr!r})")
         return problems
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Adapters are served: asked for by name, or implied by starting with some."""
+        return self.enable_lora or bool(self.lora_modules)
+
+    def _lora_problems(self) -> list[str]:
+        problems = [f"--{n} must be >= 1" for n in ("max-loras", "max-lora-rank")
+                    if getattr(self, n.replace("-", "_")) < 1]  # fmt: skip
+        for entry in self.lora_modules:
+            try:
+                parse_lora_module(entry)
+            except ValueError as exc:
+                problems.append(f"--lora-modules: {exc}")
+        return problems
+
 
 def _dash(name: str) -> str:
     return name.replace("_", "-")
@@ -296,7 +340,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, positional_model: bool = Tr
                 flag, action=argparse.BooleanOptionalAction, default=default, **kwargs
             )
         elif isinstance(default, list):
-            parser.add_argument(flag, type=int, nargs="*", default=default, **kwargs)
+            item = str if "str" in str(f.type) else int
+            parser.add_argument(flag, type=item, nargs="*", default=default, **kwargs)
         else:
             parser.add_argument(flag, type=_field_type(f), default=default, **kwargs)
     if positional_model:

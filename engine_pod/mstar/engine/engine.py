@@ -17,6 +17,7 @@ import torch
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.deterministic import check_head_dim, deterministic_setup
+from mstar.engine.lora.manager import LoraManager
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
@@ -25,7 +26,7 @@ from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model_runner import ModelRunner
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.request import Request
-from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
+from mstar.engine.resource_keys import ATTN, KV, LORA, ROPE, SAMPLER
 from mstar.engine.resources.attention import AttentionResource
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVGroups, KVRequestConfig
 from mstar.engine.resources.positions import PositionsResource
@@ -131,14 +132,19 @@ class LLMEngine:
             layer_windows=model_config.layer_windows,
             group_backends=backends[1:],
         )
-        self.runner = StepRunner(
-            {
-                KV: self.kv,
-                ATTN: attention,
-                ROPE: PositionsResource(device),
-                SAMPLER: sampler,
-            }
-        )
+        resources = {
+            KV: self.kv,
+            ATTN: attention,
+            ROPE: PositionsResource(device),
+            SAMPLER: sampler,
+        }
+        #: LoRA adapters served beside the base (`--enable-lora`, `--lora-modules`), or None
+        self.lora: LoraManager | None = None
+        if config.lora_enabled:
+            self.lora = LoraManager(decoder, config.max_loras, config.max_lora_rank)
+            self.lora.register_modules(config.lora_modules)
+            resources[LORA] = self.lora.resource
+        self.runner = StepRunner(resources)
         self.model_runner = ModelRunner(
             decoder, self.runner, sampler, device, preplan=config.enable_preplan
         )
@@ -155,9 +161,11 @@ class LLMEngine:
             ),
             make_context=self.model_runner.step_context,
         )
+        # (LoRA steps run eager: the adapter rows' plan is not in the graphs' static buffers)
         self.model_runner.setup_graphs(
-            config.cuda_graph_batch_sizes, config.enforce_eager, self.max_model_len
-        )
+            config.cuda_graph_batch_sizes, config.enforce_eager or self.lora is not None,
+            self.max_model_len,
+        )  # fmt: skip
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -243,6 +251,10 @@ class LLMEngine:
             KV: KVRequestConfig(req.token_view),
             SAMPLER: SamplerRequestConfig(params, req.prompt_token_ids),
         }
+        if params.lora_name is not None:
+            if self.lora is None or not self.lora.pool.known(params.lora_name):
+                raise InvalidParameter("model", f"no LoRA adapter {params.lora_name!r}")
+            req.overrides[LORA] = params.lora_name
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:

@@ -40,7 +40,7 @@ from mstar.engine.cuda_graphs import (
 )
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.outputs import ErrorKind, RequestError
-from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
+from mstar.engine.resource_keys import ATTN, KV, LORA, ROPE, SAMPLER
 from mstar.engine.resources.host_copy import to_device
 from mstar.engine.resources.kv.plan import build_plan
 from mstar.engine.resources.runner import StepRunner
@@ -168,6 +168,8 @@ class ModelRunner:
                 # Scored prompt positions get logits too, after the sampled rows.
                 rows += [s.flat + j for s in batch.scored for j in range(len(s.targets))]
                 index = to_device(rows, torch.long, self.device)
+                if self.decoder.lora_rows is not None:
+                    self.decoder.lora_rows.begin(plans.get(LORA), rows)
                 logits = self.decoder(input_ids, plans[ROPE], plans[ATTN], index)
             # The forward is queued on the device: plan the next step meanwhile.
             self._preplan_next(batch)

@@ -4,3 +4,5 @@ KV = "kv"
 ATTN = "attn"
 ROPE = "rope"
 SAMPLER = "sampler"
+#: LoRA adapter slots; sorts before "kv", so it admits (and may refuse) before pages move
+LORA = "adapter"

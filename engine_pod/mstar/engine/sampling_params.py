@@ -124,6 +124,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     #: Constrains the output to a grammar (structured outputs, forced tool calls).
     grammar: GrammarSpec | None = None
+    #: The LoRA adapter the request runs with (its `model` names it); None: the base model.
+    lora_name: str | None = None
 
     MAX_LOGPROBS = 20
 

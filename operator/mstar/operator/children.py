@@ -9,11 +9,11 @@ from .lws import build_leader_worker_set, lws_name
 from .manifests import (
     Child,
     build_config_map,
-    build_deployment,
     build_pdb,
     build_service,
     config_map_name,
 )
+from .pod import build_deployment
 from .router import DEFAULT_EPP_CLUSTER_ROLE, build_router
 from .spec import MStarSpec
 

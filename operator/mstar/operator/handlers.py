@@ -14,7 +14,9 @@ from typing import Any
 
 import kopf
 
+from .adapter_sync import sync_adapters
 from .kube import CUSTOM_KINDS, Kube, KubeError, load_api_client
+from .main import DEFAULT_ADAPTER_SYNC_SECONDS
 from .manifests import MANAGED_BY
 from .reconcile import controller_of, reconcile
 from .router import DEFAULT_EPP_CLUSTER_ROLE
@@ -91,16 +93,20 @@ def _resync_all(memo: Any, logger: Log) -> None:
             _run(memo, cr, logger)
 
 
-def _run(memo: Any, body: dict[str, Any], logger: Log) -> None:
-    kube: Kube = memo.kube
-    role = getattr(memo, "epp_cluster_role", None) or DEFAULT_EPP_CLUSTER_ROLE
-    outcome = reconcile(kube, body, role)
-    for kind, reason, message in outcome.events:
+def _post(kube: Kube, body: dict[str, Any], events: list[Any], logger: Log) -> None:
+    for kind, reason, message in events:
         logger.info("%s %s: %s", kind, reason, message)
         try:  # posted directly (not kopf.event): works from the resync thread as well
             kube.post_event(body, kind, reason, message)
         except KubeError as exc:
             logger.warning("could not post event %s: %s", reason, exc)
+
+
+def _run(memo: Any, body: dict[str, Any], logger: Log) -> None:
+    kube: Kube = memo.kube
+    role = getattr(memo, "epp_cluster_role", None) or DEFAULT_EPP_CLUSTER_ROLE
+    outcome = reconcile(kube, body, role)
+    _post(kube, body, outcome.events, logger)
     if outcome.failed:
         raise kopf.TemporaryError("API call failed; retrying", delay=RETRY_DELAY)
 
@@ -110,6 +116,25 @@ def _run(memo: Any, body: dict[str, Any], logger: Log) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile_deployment(body: kopf.Body, memo: Any, logger: Log, **_: Any) -> None:
     _run(memo, dict(body), logger)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="adapters", cancellation_timeout=5.0)
+async def sync_adapters_forever(
+    body: kopf.Body, memo: Any, logger: Log, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    """Per CR, while it exists: every ready engine pod holds exactly spec.adapters
+    (adapter_sync.py), checked every --adapter-sync-seconds."""
+    seconds = float(getattr(memo, "adapter_sync_seconds", DEFAULT_ADAPTER_SYNC_SECONDS))
+    meta = dict(body["metadata"])
+    while not stopped:
+        try:
+            events = await asyncio.to_thread(
+                sync_adapters, memo.kube, meta["namespace"], meta["name"]
+            )
+            _post(memo.kube, dict(body), events, logger)
+        except Exception:  # the next pass retries; a daemon that died would never sync again
+            logger.exception("adapter sync failed")
+        await asyncio.sleep(seconds)
 
 
 def _on_child(body: kopf.Body, memo: Any, logger: Log) -> None:

@@ -191,6 +191,14 @@ class Kube:
                 return False
             raise self._fail(exc) from exc
 
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The pods matching a label selector (the adapter sync's engine pods)."""
+        try:
+            listing = self.core.list_namespaced_pod(namespace, label_selector=selector)
+        except ApiException as exc:
+            raise self._fail(exc) from exc
+        return [self._dict(pod) for pod in listing.items]
+
     def get_cr(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._dict(

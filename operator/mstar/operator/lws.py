@@ -20,13 +20,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .manifests import (
-    CONFIG_HASH_ANNOTATION,
-    ROLE_LABEL,
-    child_metadata,
-    engine_pod_template,
-    labels,
-)
+from .manifests import CONFIG_HASH_ANNOTATION, ROLE_LABEL, child_metadata, labels
+from .pod import engine_pod_template
 from .spec import LWS_WORKER_INDEX, MStarSpec
 
 LWS_GROUP = "leaderworkerset.x-k8s.io"

@@ -8,6 +8,7 @@ import sys
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 DEFAULT_RESYNC_SECONDS = 300.0
+DEFAULT_ADAPTER_SYNC_SECONDS = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=float(os.environ.get("MSTAR_RESYNC_SECONDS", DEFAULT_RESYNC_SECONDS)),
         help="Reconcile every MStarDeployment this often, events or not (0 disables).",
+    )
+    parser.add_argument(
+        "--adapter-sync-seconds",
+        type=float,
+        default=float(os.environ.get("MSTAR_ADAPTER_SYNC_SECONDS", DEFAULT_ADAPTER_SYNC_SECONDS)),
+        help="How often each MStarDeployment's ready engine pods are brought to spec.adapters "
+        "(LoRA load/unload calls); a spec change is picked up within this.",
     )
     parser.add_argument(
         "--epp-cluster-role",
@@ -65,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         memo=kopf.Memo(
             namespaces=list(args.namespace),
             resync_seconds=args.resync_seconds,
+            adapter_sync_seconds=args.adapter_sync_seconds,
             epp_cluster_role=args.epp_cluster_role or DEFAULT_EPP_CLUSTER_ROLE,
         ),
     )

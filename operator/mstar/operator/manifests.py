@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
 from mstar.engine.config import to_cli_args
 
-from .spec import (
-    API_VERSION,
-    ENGINE_PORT,
-    KIND,
-    MODEL_MOUNT,
-    MStarSpec,
-    engine_config,
-)
+from .adapters import ADAPTERS_KEY, desired_adapters
+from .spec import API_VERSION, KIND, MStarSpec, engine_config
 
 MANAGED_BY = "mstar-operator"
 INSTANCE_LABEL = "mstar.dev/deployment"
@@ -35,9 +28,6 @@ ENGINE_CONTAINER = "engine"
 CONFIG_HASH_ANNOTATION = "mstar.dev/config-hash"
 #: leader | worker on the pods of a LeaderWorkerSet group (spec.parallelism.nodesPerReplica > 1).
 ROLE_LABEL = "mstar.dev/role"
-RUN_AS_USER = 1000
-#: After the preStop wait and the drain grace: aiohttp's cut-off, engine stop, process exit.
-TERMINATION_MARGIN_SECONDS = 10
 
 
 def labels(name: str) -> dict[str, str]:
@@ -112,42 +102,16 @@ def build_config_map(name: str, namespace: str, uid: str, spec: MStarSpec) -> di
         "data": {
             "engine-config.json": json.dumps(asdict(config), indent=2, sort_keys=True),
             "engine-args.json": json.dumps(engine_args(spec)),
+            ADAPTERS_KEY: json.dumps(desired_adapters(spec), indent=2),
         },
     }
 
 
 def config_hash(config_map: dict[str, Any]) -> str:
-    text = json.dumps(config_map["data"], sort_keys=True)
+    """What rolls the pods: every key but the adapter list, which the adapter sync hot-loads."""
+    data = {k: v for k, v in config_map["data"].items() if k != ADAPTERS_KEY}
+    text = json.dumps(data, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _otel_env(name: str, namespace: str, spec: MStarSpec) -> list[dict[str, Any]]:
-    telemetry = spec["telemetry"]
-    env: list[dict[str, Any]] = [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "OTEL_SERVICE_NAME", "value": "mstar-engine"},
-        {
-            "name": "OTEL_RESOURCE_ATTRIBUTES",
-            "value": (
-                f"k8s.namespace.name={namespace},k8s.pod.name=$(POD_NAME),"
-                f"mstar.deployment={name},gen_ai.request.model={spec.model['name']}"
-            ),
-        },
-        {"name": "OTEL_METRICS_EXPORTER", "value": "none"},
-        {"name": "OTEL_LOGS_EXPORTER", "value": "none"},
-    ]
-    if telemetry.get("otlpEndpoint"):
-        env += [
-            {"name": "OTEL_TRACES_EXPORTER", "value": "otlp"},
-            {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": str(telemetry["otlpEndpoint"])},
-            {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": "http/protobuf"},
-            {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
-            {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(float(telemetry["samplingRatio"]))},
-        ]
-    else:
-        env.append({"name": "OTEL_TRACES_EXPORTER", "value": "none"})
-    return env
 
 
 def container_security() -> dict[str, Any]:
@@ -157,200 +121,6 @@ def container_security() -> dict[str, Any]:
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
     }
-
-
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {
-        "httpGet": {"path": path, "port": "http"},
-        "periodSeconds": period,
-        "timeoutSeconds": 5,
-        "failureThreshold": failures,
-    }
-
-
-def build_deployment(
-    name: str, namespace: str, uid: str, spec: MStarSpec, config_map: dict[str, Any]
-) -> dict[str, Any] | None:
-    """The engine pods of a one-pod replica (several pods per replica: lws.py)."""
-    if spec.nodes_per_replica > 1:
-        return None
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": child_metadata(name, namespace, name, uid),
-        "spec": {
-            "replicas": int(spec["replicas"]),
-            "selector": {"matchLabels": selector_labels(name)},
-            "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": 1800,
-            # Never drop serving capacity during a rollout; a new pod must be Ready first.
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
-            "template": engine_pod_template(name, namespace, spec, config_map),
-        },
-    }
-
-
-def engine_pod_template(
-    name: str, namespace: str, spec: MStarSpec, config_map: dict[str, Any]
-) -> dict[str, Any]:
-    """An engine pod: GPU limits, flags from EngineConfig, probes, scrape annotations, OTEL env."""
-    res = spec["resources"]
-    gpus = int(res["gpus"])
-    requests: dict[str, Any] = {"cpu": cpu_quantity(res["cpu"]), "memory": str(res["memory"])}
-    limits: dict[str, Any] = {"memory": str(res["memory"])}
-    if gpus > 0:
-        requests[res["gpuResourceName"]] = str(gpus)
-        limits[res["gpuResourceName"]] = str(gpus)
-    source = spec.source
-    cache_env: list[dict[str, Any]] = [
-        {"name": "HOME", "value": "/tmp"},
-        {"name": "XDG_CACHE_HOME", "value": "/cache"},
-        {"name": "HF_HOME", "value": "/cache/huggingface"},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "cache", "mountPath": "/cache"},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "engine-config", "mountPath": "/etc/mstar", "readOnly": True},
-    ]
-    volumes: list[dict[str, Any]] = [
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(res["shmSize"])}},
-        {"name": "engine-config", "configMap": {"name": config_map_name(name)}},
-    ]
-    init_containers: list[dict[str, Any]] | None = None
-    if "pvc" in source:
-        volumes.append(
-            {
-                "name": "models",
-                "persistentVolumeClaim": {
-                    "claimName": source["pvc"]["claimName"],
-                    "readOnly": True,
-                },
-            }
-        )
-        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
-    elif "huggingFace" in source:
-        hf = source["huggingFace"]
-        volumes.append({"name": "models", "emptyDir": {"sizeLimit": str(hf["cacheSize"])}})
-        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
-        init_env: list[dict[str, Any]] = list(cache_env)
-        if hf.get("tokenSecret"):
-            secret = hf["tokenSecret"]
-            init_env.append(
-                {
-                    "name": "HF_TOKEN",
-                    "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}},
-                }
-            )
-        init_containers = [
-            {
-                "name": "fetch-model",
-                "image": spec["image"],
-                "imagePullPolicy": spec["imagePullPolicy"],
-                "command": ["hf", "download", str(hf["id"])],
-                "args": ["--revision", str(hf["revision"]), "--local-dir", f"{MODEL_MOUNT}/hf"],
-                "env": init_env,
-                "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
-                "securityContext": container_security(),
-                "volumeMounts": [
-                    {"name": "models", "mountPath": MODEL_MOUNT},
-                    {"name": "cache", "mountPath": "/cache"},
-                    {"name": "tmp", "mountPath": "/tmp"},
-                ],
-            }
-        ]
-    telemetry = spec["telemetry"]
-    annotations: dict[str, Any] = {CONFIG_HASH_ANNOTATION: config_hash(config_map)}
-    if telemetry["metrics"]:
-        annotations.update(
-            {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(ENGINE_PORT),
-                "prometheus.io/path": "/metrics",
-            }
-        )
-    scheduling = spec["scheduling"]
-    drain = spec["drain"]
-    container = {
-        "name": ENGINE_CONTAINER,
-        "image": spec["image"],
-        "imagePullPolicy": spec["imagePullPolicy"],
-        "command": ["mstar-engine", "serve"],
-        "args": engine_args(spec),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        # The engine never downloads at run time (weights come from the image, a PVC or init).
-        "env": [
-            *_otel_env(name, namespace, spec),
-            *cache_env,
-            {"name": "HF_HUB_OFFLINE", "value": "1"},
-        ],
-        "resources": {"requests": requests, "limits": limits},
-        "startupProbe": _probe("/health", 10, 90),
-        # /health fails once the engine stops making progress (mstar.engine.server.liveness);
-        # the engine then exits by itself, so this catches what cannot: an event loop that no
-        # longer answers. Two misses 5 s apart (+ the 5 s timeout) restart it within 15 s.
-        "livenessProbe": _probe("/health", 5, 2),
-        "readinessProbe": _probe("/ready", 5, 3),
-        # Kubernetes runs this before SIGTERM: serve until every router has let go of the pod.
-        "lifecycle": {
-            "preStop": {
-                "exec": {
-                    "command": [
-                        "mstar-engine",
-                        "prestop",
-                        "--port",
-                        str(ENGINE_PORT),
-                        "--quiet-seconds",
-                        str(float(drain["quietSeconds"])),
-                        "--timeout-seconds",
-                        str(float(drain["preStopTimeoutSeconds"])),
-                    ]
-                }
-            }
-        },
-        "securityContext": container_security(),
-        "volumeMounts": mounts,
-    }
-    return {
-        "metadata": {"labels": pod_labels(name), "annotations": annotations},
-        "spec": {
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": RUN_AS_USER,
-                "runAsGroup": RUN_AS_USER,
-                "fsGroup": RUN_AS_USER,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "initContainers": init_containers,
-            "containers": [container],
-            "volumes": volumes,
-            "nodeSelector": scheduling.get("nodeSelector") or None,
-            "tolerations": scheduling.get("tolerations") or None,
-            "priorityClassName": scheduling.get("priorityClassName") or None,
-        },
-    }
-
-
-def pod_labels(name: str) -> dict[str, str]:
-    """Engine pods: the child labels plus the engine type the endpoint picker keys on."""
-    return {**labels(name), ENGINE_TYPE_LABEL: ENGINE_TYPE}
-
-
-def termination_grace_seconds(spec: MStarSpec) -> int:
-    """preStop wait + drain grace + margin: the kubelet kills the pod only after all three."""
-    return (
-        int(spec["drain"]["preStopTimeoutSeconds"])
-        + math.ceil(float(spec.engine["shutdownGraceSeconds"]))
-        + TERMINATION_MARGIN_SECONDS
-    )
 
 
 def build_pdb(name: str, namespace: str, uid: str, spec: MStarSpec) -> dict[str, Any] | None:

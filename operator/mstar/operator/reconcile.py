@@ -181,7 +181,8 @@ def _status_events(old_status: dict[str, Any], new_status: dict[str, Any]) -> li
 
 def _same_status(a: dict[str, Any], b: dict[str, Any]) -> bool:
     def strip(s: dict[str, Any]) -> dict[str, Any]:
-        out = {k: v for k, v in s.items() if k in b or k in a}
+        # Only what this pass writes: status.adapters belongs to the adapter sync.
+        out = {k: v for k, v in s.items() if k in b}
         out["conditions"] = sorted(
             (
                 {k: v for k, v in c.items() if k != "lastTransitionTime"}

@@ -4,7 +4,8 @@ With `spec.router` the operator creates an `InferencePool` (inference.networking
 selecting the engine pods, its endpoint picker (EPP: ServiceAccount, RoleBinding to the chart's
 ClusterRole, ConfigMap, Deployment, Service) configured to read mstar's metric names, and, with
 `router.gateway`, an `HTTPRoute` sending that Gateway's traffic to the pool. The picker scores
-every ready engine pod on queue depth, KV-cache usage and prefix-cache affinity.
+every ready engine pod on queue depth, KV-cache usage and prefix-cache affinity, and, where the
+engines serve LoRA adapters, on where the request's adapter is active.
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ ENGINE_METRICS = {
     "queuedRequestsSpec": "mstar:num_requests_waiting",
     "runningRequestsSpec": "mstar:num_requests_running",
     "kvUsageSpec": "mstar:kv_cache_usage_perc",
-    "loraSpec": "",  # mstar serves no LoRA adapters
     # vLLM's info-gauge shape: labels block_size (tokens per page) and num_gpu_blocks (pages).
     "cacheInfoSpec": "mstar:cache_config_info",
 }
+#: vLLM's LoRA info gauge under mstar's prefix: labels running_lora_adapters,
+#: waiting_lora_adapters (comma-joined names), max_lora; the picker keeps the newest series.
+#: Read only where the engines serve adapters: a spec naming a missing gauge makes the picker
+#: log an extraction error on every scrape.
+LORA_METRIC = "mstar:lora_requests_info"
 
 
 def epp_name(name: str) -> str:
@@ -77,8 +82,12 @@ def _epp_metadata(name: str, namespace: str, uid: str) -> dict[str, Any]:
 
 
 def epp_config(spec: MStarSpec) -> dict[str, Any]:
-    """The EndpointPickerConfig: mstar's metric names, a staleness filter, three scorers."""
+    """The EndpointPickerConfig: mstar's metric names, a staleness filter, three scorers, and
+    with adapters the LoRA affinity scorer (a request's `model` names its adapter: the picker
+    takes it as the target model and prefers an engine listing it as running, then one with a
+    free slot, then one where it waits)."""
     weights = spec["router"]["endpointPicker"]["weights"]
+    lora_weight = int(weights["loraAffinity"])
     return {
         "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
         "kind": "EndpointPickerConfig",
@@ -92,7 +101,13 @@ def epp_config(spec: MStarSpec) -> dict[str, Any]:
                 "parameters": {
                     "engineLabelKey": ENGINE_TYPE_LABEL,
                     "defaultEngine": ENGINE_TYPE,
-                    "engineConfigs": [{"name": ENGINE_TYPE, **ENGINE_METRICS}],
+                    "engineConfigs": [
+                        {
+                            "name": ENGINE_TYPE,
+                            **ENGINE_METRICS,
+                            "loraSpec": LORA_METRIC if spec.serves_lora else "",
+                        }
+                    ],
                 },
             },
             {
@@ -119,6 +134,7 @@ def epp_config(spec: MStarSpec) -> dict[str, Any]:
                 # blockSizeTokens is the fallback until that is scraped.
                 "parameters": {"autoTune": True, "blockSizeTokens": int(spec.engine["pageSize"])},
             },
+            *([{"type": "lora-affinity-scorer"}] if spec.serves_lora else []),
             {"type": "max-score-picker"},
             {"type": "single-profile-handler"},
         ],
@@ -139,6 +155,11 @@ def epp_config(spec: MStarSpec) -> dict[str, Any]:
                     {"pluginRef": "queue-scorer", "weight": int(weights["queue"])},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": int(weights["kvCache"])},
                     {"pluginRef": "prefix-cache-scorer", "weight": int(weights["prefixCache"])},
+                    *(
+                        [{"pluginRef": "lora-affinity-scorer", "weight": lora_weight}]
+                        if spec.serves_lora
+                        else []
+                    ),
                     {"pluginRef": "max-score-picker"},
                 ],
             }

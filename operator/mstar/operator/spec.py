@@ -84,7 +84,7 @@ ROUTER_DEFAULTS: dict[str, Any] = {
         "failureMode": "FailOpen",
         "cpu": "1",
         "memory": "1Gi",
-        "weights": {"queue": 2, "kvCache": 2, "prefixCache": 3},
+        "weights": {"queue": 2, "kvCache": 2, "prefixCache": 3, "loraAffinity": 4},
     },
 }
 SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -92,6 +92,11 @@ SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
     "huggingFace": {"revision": "main", "cacheSize": "20Gi"},
 }
 TOKEN_SECRET_DEFAULTS: dict[str, Any] = {"key": "token"}
+#: An adapter's sources: a path in the pod, a PVC, or a Hugging Face repository (adapters.py).
+ADAPTER_SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "pvc": {"subPath": ""},
+    "huggingFace": {"revision": "main"},
+}
 
 # CRD engine keys -> EngineConfig fields (the one flag contract with `mstar-engine serve`).
 ENGINE_FIELDS: dict[str, str] = {
@@ -114,6 +119,8 @@ ENGINE_FIELDS: dict[str, str] = {
     "shutdownGraceSeconds": "shutdown_grace_seconds",
     "seed": "seed",
     "deterministic": "deterministic",
+    "maxLoras": "max_loras",
+    "maxLoraRank": "max_lora_rank",
 }
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -185,6 +192,16 @@ class MStarSpec:
         return int(self.raw["parallelism"]["nodesPerReplica"])
 
     @property
+    def adapters(self) -> list[dict[str, Any]]:
+        """spec.adapters, defaulted: each {name, source: one of path, pvc, huggingFace}."""
+        return [dict(a) for a in self.raw.get("adapters") or []]
+
+    @property
+    def serves_lora(self) -> bool:
+        """The engines serve LoRA adapters: some are listed, or slots are sized for them."""
+        return bool(self.adapters) or "maxLoras" in self.raw["engine"]
+
+    @property
     def router(self) -> dict[str, Any] | None:
         value = self.raw.get("router")
         return dict(value) if value else None
@@ -208,14 +225,11 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
         problems.append(
             f"spec.model.source: set exactly one of path, pvc, huggingFace (got {sorted(source)})"
         )
-    for kind, defaults in SOURCE_DEFAULTS.items():
-        if isinstance(source.get(kind), Mapping):
-            source[kind] = _merge_defaults(source[kind], defaults)
-    hf = source.get("huggingFace")
-    if isinstance(hf, dict) and isinstance(hf.get("tokenSecret"), Mapping):
-        hf["tokenSecret"] = _merge_defaults(hf["tokenSecret"], TOKEN_SECRET_DEFAULTS)
+    _default_source(source, SOURCE_DEFAULTS)
     if model:
         raw["model"] = {**model, "source": source} if source else dict(model)
+    raw["adapters"], adapter_problems = _parse_adapters(raw.get("adapters"), raw)
+    problems += adapter_problems
     if raw.get("autoscaling"):
         raw["autoscaling"] = _merge_defaults(raw["autoscaling"], AUTOSCALING_DEFAULTS)
         problems += _autoscaling_problems(raw["autoscaling"])
@@ -257,6 +271,45 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
     if problems:
         raise InvalidSpec(problems)
     return MStarSpec(raw)
+
+
+def _default_source(source: dict[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Fill a model's or an adapter's source (in place) with its kind's defaults."""
+    for kind, values in defaults.items():
+        if isinstance(source.get(kind), Mapping):
+            source[kind] = _merge_defaults(source[kind], values)
+    hf = source.get("huggingFace")
+    if isinstance(hf, dict) and isinstance(hf.get("tokenSecret"), Mapping):
+        hf["tokenSecret"] = _merge_defaults(hf["tokenSecret"], TOKEN_SECRET_DEFAULTS)
+
+
+def _parse_adapters(value: Any, raw: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """spec.adapters with source defaults, and what the schema cannot say (unique names, none
+    named like the base model, one source each)."""
+    if not value:
+        return [], []
+    base = (raw.get("model") or {}).get("name")
+    out: list[dict[str, Any]] = []
+    problems: list[str] = []
+    seen: set[str] = set()
+    for i, item in enumerate(value):
+        where = f"spec.adapters[{i}]"
+        name = str(item.get("name") or "")
+        source = dict(item.get("source") or {})
+        if not name:
+            problems.append(f"{where}.name: required")
+        elif name in seen:
+            problems.append(f"{where}.name: {name!r} is listed twice")
+        elif name == base:
+            problems.append(f"{where}.name: {name!r} is the base model's name (spec.model.name)")
+        seen.add(name)
+        if len(source) != 1:
+            problems.append(
+                f"{where}.source: set exactly one of path, pvc, huggingFace (got {sorted(source)})"
+            )
+        _default_source(source, ADAPTER_SOURCE_DEFAULTS)
+        out.append({**item, "name": name, "source": source})
+    return out, problems
 
 
 def _layout_problems(parallel: dict[str, Any], gpus: int) -> list[str]:
@@ -332,5 +385,7 @@ def engine_config(spec: MStarSpec) -> EngineConfig:
         nnodes=nodes,
         # The same for every pod of a group; the pod's own rank is added per pod (lws.py).
         dist_init_addr=f"$({LWS_LEADER_ADDRESS}):{DIST_PORT}" if nodes > 1 else None,
+        # The adapters themselves are no flag (adapters.py): the operator loads them at run time.
+        enable_lora=spec.serves_lora,
         **values,
     )

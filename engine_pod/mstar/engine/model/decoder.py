@@ -12,7 +12,7 @@ that kernel implements (`fused_decode_refusal` names what is not).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from mstar.engine.model.moe import MoeBlock
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.paged_attention import KernelDecodeStep
+
+if TYPE_CHECKING:
+    from mstar.engine.lora.layer import LoraRows
 
 __all__ = ["AttentionContext", "Decoder", "FusedDecodeWeights", "RMSNorm", "fused_decode_refusal"]
 
@@ -154,6 +157,8 @@ class Decoder(nn.Module):
         #: every layer's weights for `cpu_kernels.decode_layers` (`finalize_linears` gathers
         #: them where the layers allow it), or None: decode steps go layer by layer
         self.fused_decode: FusedDecodeWeights | None = None
+        #: the step's rows -> LoRA adapter slots when adapters are served (`lora.LoraManager`)
+        self.lora_rows: LoraRows | None = None
         #: Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype first
         self.embed_scale: torch.Tensor | None = None
         if cfg.embed_scale:
@@ -264,6 +269,8 @@ class Decoder(nn.Module):
         weights = self.fused_decode
         if self.cpu_kernels is None or weights is None or rows > weights.max_rows:
             return None
+        if self.lora_rows is not None and self.lora_rows.active:
+            return None  # decode_layers has no LoRA: a step with adapter rows runs the layers
         return attn.kernel_decode() if isinstance(attn, KernelDecodeContext) else None
 
     def _run_fused_layers(

@@ -28,6 +28,7 @@ from mstar.engine.server.async_engine import (
 )
 from mstar.engine.server.lifecycle import generate
 from mstar.engine.server.liveness import Liveness
+from mstar.engine.server.lora_routes import adapter_cards, register_lora
 from mstar.engine.server.metrics import CacheConfig, ServerMetrics
 from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import APIError
@@ -179,7 +180,7 @@ async def models(request: web.Request) -> web.Response:
         "root": state.model_name,
         "max_model_len": state.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response({"object": "list", "data": [card, *adapter_cards(state)]})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -250,6 +251,7 @@ def build_app(
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
+    register_lora(app)
 
     async def on_startup(app: web.Application) -> None:
         app[STATE].async_engine.start()

@@ -33,11 +33,11 @@ from mstar.engine.server.async_engine import NewRequest
 from mstar.engine.server.body import read_json_body
 from mstar.engine.server.choice import ChoiceState, Delta
 from mstar.engine.server.limits import RETRY_AFTER_SECONDS, Deadline
+from mstar.engine.server.lora_routes import resolve_model
 from mstar.engine.server.protocol import (
     APIError,
     GenerationRequest,
     bad_request,
-    model_not_found,
     parse_chat_request,
     parse_completion_request,
 )
@@ -78,6 +78,8 @@ class Generation:
         self.subs: list[SubRequest] = []
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.req: GenerationRequest | None = None
+        #: the LoRA adapter the request's `model` names (None: the base model)
+        self.lora_name: str | None = None
         self.prompt_texts: list[str] = []
         self.status = 200
         self.error: str | None = None
@@ -100,8 +102,7 @@ class Generation:
         body = await read_json_body(self.request)
         self.deadline.shorten(body)
         req = parse_chat_request(body) if self.kind == "chat" else parse_completion_request(body)
-        if req.model is not None and req.model != self.state.model_name:
-            raise model_not_found(req.model)
+        self.lora_name = resolve_model(self.state, req.model)
         self.req = req
         p = req.params
         self.trace.span.set_attributes(
@@ -163,6 +164,7 @@ class Generation:
             for i in range(req.n):
                 index = p_idx * req.n + i
                 params = req.sampling_params(len(ids), self.state.max_model_len, i)
+                params.lora_name = self.lora_name
                 rid = f"{self.id}-{index}"
                 detok = IncrementalDetokenizer(
                     tok, ids, skip_special_tokens=req.skip_special_tokens

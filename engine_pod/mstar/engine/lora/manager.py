@@ -1,0 +1,68 @@
+"""`LoraManager`: what the engine and the server hold of LoRA serving: the slot pool, its
+step-protocol resource, and the wrappers installed on the decoder's projections."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mstar.engine.lora.adapter import LoraAdapter, ProjectionShape, load_adapter
+from mstar.engine.lora.layer import LoraLinear, LoraLinearMethod, LoraRows
+from mstar.engine.lora.modules import parse_lora_module
+from mstar.engine.lora.pool import LoraPool
+from mstar.engine.lora.resource import LoraResource
+from mstar.engine.model.decoder import Decoder
+
+log = logging.getLogger(__name__)
+
+
+class LoraManager:
+    """Adapters served on one decoder: ``max_loras`` slots of rank up to ``max_rank``."""
+
+    def __init__(self, decoder: Decoder, max_loras: int, max_rank: int) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.rows = LoraRows(decoder.device)
+        self.rows.kernels = (
+            decoder.cpu_kernels if hasattr(decoder.cpu_kernels, "lora_add_") else None
+        )
+        linears = decoder.linears
+        previous = linears.picker
+        decoder.linears.finalize(
+            decoder,
+            lambda spec: LoraLinearMethod(
+                previous(spec), self.rows, max_loras, max_rank, decoder.dtype
+            ),
+        )
+        self.modules: dict[str, LoraLinear] = {
+            name: decoder.get_submodule(name)  # type: ignore[misc]
+            for name in linears.specs
+            if isinstance(decoder.get_submodule(name), LoraLinear)
+        }
+        self.shapes = {
+            name: ProjectionShape(m.spec.in_features, m.spec.parts or (m.spec.out_features,))
+            for name, m in self.modules.items()
+        }
+        decoder.lora_rows = self.rows
+        self.pool = LoraPool(max_loras, self.read, self.write)
+        self.resource = LoraResource(self.pool)
+
+    def read(self, name: str, path: str) -> LoraAdapter:
+        return load_adapter(name, path, self.shapes, self.max_rank)
+
+    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Every wrapped projection's slot ``slot`` from ``adapter`` (None: cleared)."""
+        with torch.no_grad():
+            for name, module in self.modules.items():
+                for part, piece in enumerate(module.slices):
+                    pair = None if adapter is None else adapter.weights.get((name, part))
+                    scale = 0.0 if adapter is None else adapter.scaling
+                    piece.write(slot, pair, scale)  # type: ignore[operator]
+
+    def register_modules(self, entries: list[str]) -> None:
+        """``--lora-modules``: register each (a bad folder fails the start, naming it)."""
+        for entry in entries:
+            module = parse_lora_module(entry)
+            self.pool.register(module.name, module.path)
+            log.info("LoRA adapter %s registered from %s", module.name, module.path)
