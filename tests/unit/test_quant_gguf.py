@@ -1,9 +1,9 @@
 """`gguf_quant.read_stored`: a GGUF file's tensors as stored, under their Hugging Face names.
 
-A tiny Llama file mixes what real ones hold (Q8_0, Q4_1, Q4_K, Q6_K matrices, F32 norms);
-each stored tensor, dequantized by the ``gguf`` package, must equal what `gguf_convert` (the
-float32 conversion) reads from the same file, so the Q/K rows un-permuted as raw blocks land
-where the converter puts the float rows.
+A tiny Llama (and Gemma 3) file mixes what real ones hold (Q8_0, Q4_1, Q4_K, Q6_K matrices,
+F32 norms); each stored tensor, dequantized by the ``gguf`` package, must equal what
+`gguf_convert` (the float32 conversion) reads from the same file, so the Q/K rows un-permuted as
+raw blocks land where the converter puts the float rows.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def write_gguf(path: Path, arch: str = "llama") -> None:
     w.close()
 
 
-def test_stored_tensors_dequantize_to_the_converted_ones(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_stored_tensors_dequantize_to_the_converted_ones(tmp_path, arch):
+    """Gemma's norm (stored ``1 + w``) comes back as the converter's ``w``; its Q/K rows stay."""
     path = tmp_path / "tiny.gguf"
-    write_gguf(path)
-    converted = _read_tensors(gguf.GGUFReader(str(path)), "llama", HEADS, KV_HEADS)
+    write_gguf(path, arch)
+    converted = _read_tensors(gguf.GGUFReader(str(path)), arch, HEADS, KV_HEADS)
     stored = {t.name: t for t in read_stored(path)}
     assert set(stored) == set(converted)
     types = {name: t.qtype.name for name, t in stored.items()}

@@ -18,7 +18,13 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from mstar.engine.model.config import ModelLoadError
-from mstar.engine.model.gguf_convert import _field, _hf_name, _unpermute
+from mstar.engine.model.gguf_convert import (
+    _HF_ARCH,
+    _field,
+    _hf_name,
+    _unpermute,
+    stored_plus_one,
+)
 
 #: types whose data are plain values (numpy's dtype), not blocks
 PLAIN = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -44,17 +50,19 @@ class StoredTensor:
 
 
 def read_stored(path: str | Path) -> Iterator[StoredTensor]:
-    """Every tensor of a Llama or Qwen2 GGUF file that the model uses, as stored, with its
-    Hugging Face name. ``data`` views the file (read-only memory map) except where Q/K rows
-    were un-permuted (a copy)."""
+    """Every tensor of a GGUF file (an architecture `gguf_convert` converts) that the model
+    uses, as stored, with its Hugging Face name. ``data`` views the file (read-only memory map)
+    except where Q/K rows were un-permuted or a ``1 + w`` norm shifted (copies)."""
     reader = GGUFReader(str(path))
     arch = str(_field(reader, "general.architecture"))
-    if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
+    if arch not in _HF_ARCH:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_HF_ARCH)}"
+        )
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, arch)
         if name is None:
             continue
         qtype = GGMLQuantizationType(t.tensor_type)
@@ -62,6 +70,8 @@ def read_stored(path: str | Path) -> Iterator[StoredTensor]:
         data: Any = t.data
         if qtype in PLAIN:
             data = data.reshape(shape)
+            if stored_plus_one(arch, t.name):
+                data = data - 1
         else:
             data = data.reshape(shape[0] if len(shape) > 1 else 1, -1)
         if arch == "llama" and t.name.endswith("attn_q.weight"):
