@@ -9,6 +9,7 @@ server drives it from one thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -17,17 +18,22 @@ import torch
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.deterministic import check_head_dim, deterministic_setup
+from mstar.engine.executor import Executor, LocalExecutor, TensorParallelExecutor
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
+from mstar.engine.model.tp import page_kv_heads
 from mstar.engine.model_runner import ModelRunner
 from mstar.engine.outputs import RequestOutput
+from mstar.engine.parallel.group import LeaderRanks, start_leader
 from mstar.engine.request import Request
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
 from mstar.engine.resources.attention import AttentionResource
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVRequestConfig
+from mstar.engine.resources.kv.allocator import SINK_PAGE
+from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
@@ -36,6 +42,8 @@ from mstar.engine.sampling_params import InvalidParameter, SamplingParams, conte
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
 from mstar.kernels import cpu_kernels, resolve_attention_backend, select_attention_backend
 from mstar.kernels.cpu_gemm import cpu_prefers_bf16
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
@@ -75,7 +83,10 @@ class LLMEngine:
         num_pages: int,
         host_offload_pages: int,
         serving: bool = False,
+        ranks: LeaderRanks | None = None,
     ) -> None:
+        """``ranks``: rank 0's side of a tensor-parallel replica (``decoder`` is then this
+        rank's shard and ``decoder.config`` its heads); None: one rank."""
         self.decoder = decoder
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -88,10 +99,11 @@ class LLMEngine:
         #: server's liveness check tells the two apart).
         self.executed_steps = 0
 
+        local = decoder.config  # this rank's heads (all of them on one rank)
         self.kv = KVCacheResource(
             KVConfig(
                 num_layers=model_config.num_layers,
-                num_kv_heads=model_config.num_kv_heads,
+                num_kv_heads=local.num_kv_heads,
                 head_dim=model_config.head_dim,
                 num_pages=num_pages,
                 page_size=config.page_size,
@@ -113,18 +125,7 @@ class LLMEngine:
             grammar=self.grammar,
             eos_token_ids=tokenizer.eos_token_ids,
         )
-        attention = AttentionResource(
-            self.kv.cache,
-            select_attention_backend(
-                device, config.attention_backend, dtype, deterministic=config.deterministic
-            ),
-            num_qo_heads=model_config.num_heads,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            sink_page=self.kv.arena.sink_page,
-            sm_scale=model_config.attn_scale,
-            layer_windows=model_config.layer_windows,
-        )
+        attention = attention_resource(self.kv.cache, local, config, device, dtype)
         self.runner = StepRunner(
             {
                 KV: self.kv,
@@ -149,8 +150,13 @@ class LLMEngine:
             ),
             make_context=self.model_runner.step_context,
         )
+        self.executor: Executor = LocalExecutor(self.model_runner)
+        if ranks is not None:
+            self.executor = TensorParallelExecutor(self.model_runner, ranks)
         self.model_runner.setup_graphs(
-            config.cuda_graph_batch_sizes, config.enforce_eager, self.max_model_len
+            config.cuda_graph_batch_sizes,
+            config.enforce_eager or ranks is not None,  # graphs do not hold the collectives
+            self.max_model_len,
         )
 
     # -- construction --------------------------------------------------------------------------
@@ -165,22 +171,32 @@ class LLMEngine:
         if config.deterministic:
             deterministic_setup(device, dtype, backend)
         path = config.model or str(default_model_path())
-        decoder, model_config, tokenizer = load_model(
-            path,
-            dtype=dtype,
-            device=device,
-            deterministic=config.deterministic,
-            quantization=config.quantization,
-        )
-        if config.deterministic:
-            check_head_dim(device, model_config.head_dim)
-        bytes_per_page = (
-            model_config.kv_elements_per_token
-            * config.page_size
-            * torch.empty((), dtype=dtype).element_size()
-        )
-        num_pages = config.num_pages or _default_num_pages(config, device, bytes_per_page)
+        ranks = start_leader(config, device) if config.tensor_parallel_size > 1 else None
+        try:
+            decoder, model_config, tokenizer = load_model(
+                path,
+                dtype=dtype,
+                device=device,
+                deterministic=config.deterministic,
+                quantization=config.quantization,
+                tp=None if ranks is None else ranks.group.tp,
+            )
+            if config.deterministic:
+                check_head_dim(device, model_config.head_dim)
+            num_pages, bytes_per_page = kv_pages(config, model_config, device, dtype)
+            if ranks is not None:
+                num_pages = ranks.group.agree_min(num_pages)
+        except BaseException:
+            if ranks is not None:
+                if ranks.workers is not None:
+                    ranks.workers.kill()
+                ranks.group.leave()
+            raise
         host_pages = int(config.host_offload_gb * GIB) // bytes_per_page
+        if ranks is not None and host_pages:
+            # The host tier copies rank 0's pages only; the other ranks' heads would be lost.
+            log.info("tensor parallelism: host KV offload off (evicted requests recompute)")
+            host_pages = 0
         name = config.served_model_name or (
             "SmolLM2-135M-Instruct" if config.model is None else path.rstrip("/").split("/")[-1]
         )
@@ -195,6 +211,7 @@ class LLMEngine:
             num_pages=num_pages,
             host_offload_pages=host_pages,
             serving=serving,
+            ranks=ranks,
         )
 
     # -- public API ----------------------------------------------------------------------------
@@ -246,9 +263,17 @@ class LLMEngine:
             return self.scheduler.update(None, None)
         self.executed_steps += 1
         start = time.perf_counter()
-        result = self.model_runner.execute(batch)
+        result = self.executor.execute(batch)
         self.scheduler.observe_cost(batch, time.perf_counter() - start)
         return self.scheduler.update(batch, result)
+
+    def failure(self) -> str | None:
+        """Why this engine can step no more (a tensor-parallel rank died); None: it can."""
+        return self.executor.failure()
+
+    def close(self) -> None:
+        """Release the other ranks of a tensor-parallel replica (no-op on one rank)."""
+        self.executor.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -328,11 +353,40 @@ def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -
     return DEFAULT_BATCHED_TOKENS
 
 
-def _default_num_pages(config: EngineConfig, device: torch.device, bytes_per_page: int) -> int:
-    """Pages from free device memory on CUDA; a fixed host budget on CPU."""
+def kv_pages(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[int, int]:
+    """(pages, bytes per page) of this rank's KV pool: ``--num-pages``, or free device memory
+    on CUDA / a fixed host budget on CPU over one page of a rank's KV heads (`page_kv_heads`:
+    the same count on every rank of a tensor-parallel replica)."""
+    heads = page_kv_heads(cfg, config.tensor_parallel_size)
+    elements = cfg.kv_elements_per_token // cfg.num_kv_heads * heads
+    bytes_per_page = elements * config.page_size * torch.empty((), dtype=dtype).element_size()
+    if config.num_pages:
+        return config.num_pages, bytes_per_page
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization)
     else:
         budget = CPU_DEFAULT_KV_BYTES
-    return max(2, budget // bytes_per_page)
+    return max(2, budget // bytes_per_page), bytes_per_page
+
+
+def attention_resource(
+    cache: KVCache, cfg: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> AttentionResource:
+    """Paged attention over ``cache`` for ``cfg``'s heads (a rank's own under tensor
+    parallelism); page 0 is the sink page (`PageArena`) on every rank."""
+    backend = select_attention_backend(
+        device, config.attention_backend, dtype, deterministic=config.deterministic
+    )
+    return AttentionResource(
+        cache,
+        backend,
+        num_qo_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        sink_page=SINK_PAGE,
+        sm_scale=cfg.attn_scale,
+        layer_windows=cfg.layer_windows,
+    )
