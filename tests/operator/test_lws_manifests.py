@@ -179,16 +179,6 @@ def test_engine_refuses_an_inconsistent_layout(flags: list[str], problem: str) -
         parse_cli_args(flags)
 
 
-def test_serve_refuses_tensor_parallelism_until_the_engine_shards(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """The operator renders TP > 1 already; the engine says plainly that it cannot serve it."""
-    assert cli.main(["serve", "--tensor-parallel-size", "2", "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert "--tensor-parallel-size 2: tensor parallelism is not implemented" in err
-    assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2  # renderable
-
-
 def test_group_pod_templates_validate_strictly(tmp_path: Path) -> None:
     """kubernetes-validate knows no LWS; its two pod templates are checked as PodTemplates."""
     if shutil.which("kubernetes-validate") is None:
