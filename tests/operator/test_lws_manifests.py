@@ -18,8 +18,7 @@ import yaml
 from crd_schema import admit
 from op_harness import CRS, ROOT
 
-from mstar.engine import cli
-from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
+from mstar.engine.config import parse_cli_args, to_cli_args
 from mstar.operator import manifests
 from mstar.operator.children import build_children, child_of
 from mstar.operator.kube import MissingAPI
