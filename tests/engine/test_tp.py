@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 from greedy_compare import assert_close_until_near_tie, drive
 from live_server import make_engine
-from models import QUESTIONS, build_tiny_model
+from models import build_tiny_model, smollm2_prompts
 
 from mstar.engine.engine import LLMEngine
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.gguf_convert import default_model_path
-from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model.tp import TPShard, page_kv_heads
 from mstar.engine.sampling_params import SamplingParams
 
@@ -74,9 +73,7 @@ def test_two_ranks_match_one_on_the_families(family: str, family_dirs: dict[str,
 def test_two_ranks_match_one_on_smollm2() -> None:
     """The real model's 3 KV heads split 2 + 1: uneven heads, one page count on both ranks."""
     folder = default_model_path()
-    tok = Tokenizer.from_dir(folder)
-    chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
-    prompts = chat[:3] + [tok.encode(q) for q in QUESTIONS[:3]]
+    prompts = smollm2_prompts(folder, 3)
     params = dataclasses.replace(GREEDY, max_tokens=24)
     settings = {"model": str(folder), "dtype": "float32", "device": "cpu", "num_pages": None}
     ref = run(make_engine(folder, **settings), prompts, params)

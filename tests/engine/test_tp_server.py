@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from faults.traffic import Traffic
 from live_server import make_engine
-from models import QUESTIONS, build_tiny_model
+from models import build_tiny_model, smollm2_prompts
 from server.conftest import tiny_chat_dir
 from server.test_cli_drain import Proc
 
@@ -78,21 +78,13 @@ def one_rank_texts(model: Path, prompts: list[list[int]], **settings: Any) -> li
     return [engine.tokenizer.decode(ids).strip() for ids in engine.generate(prompts, params)]
 
 
-def smollm2_prompts(folder: Path) -> list[list[int]]:
-    from mstar.engine.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(folder)
-    chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
-    return chat[:2] + [tok.encode(q) for q in QUESTIONS[:2]]
-
-
 @pytest.mark.parametrize("model", ["smollm2", "qwen3", "gemma3"])
 def test_the_server_with_two_ranks_answers_what_one_rank_does(
     model: str, tmp_path: Path, procs: list[Proc]
 ) -> None:
     if model == "smollm2":
         folder = default_model_path()
-        prompts = smollm2_prompts(folder)
+        prompts = smollm2_prompts(folder, 2)
         flags: tuple[str, ...] = ("--num-pages", "512", "--page-size", "16")
     else:
         folder = build_tiny_model(tmp_path / model, model)

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,14 +102,12 @@ class LLMEngine:
 
         local = decoder.config  # this rank's heads (all of them on one rank)
         self.kv = KVCacheResource(
-            KVConfig(
-                num_layers=model_config.num_layers,
-                num_kv_heads=local.num_kv_heads,
-                head_dim=model_config.head_dim,
-                num_pages=num_pages,
-                page_size=config.page_size,
-                dtype=dtype,
-                device=str(device),
+            rank_kv_config(
+                local,
+                config,
+                num_pages,
+                dtype,
+                device,
                 max_seq_len=self.max_model_len,
                 host_offload_pages=host_offload_pages,
                 enable_prefix_cache=config.enable_prefix_caching,
@@ -370,6 +369,28 @@ def kv_pages(
     else:
         budget = CPU_DEFAULT_KV_BYTES
     return max(2, budget // bytes_per_page), bytes_per_page
+
+
+def rank_kv_config(
+    cfg: ModelConfig,
+    config: EngineConfig,
+    num_pages: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    **policy: Any,
+) -> KVConfig:
+    """The KV pool of ``cfg``'s heads (a rank's own under tensor parallelism); ``policy``:
+    rank 0's offload, prefix-cache and length settings (the other ranks only hold pages)."""
+    return KVConfig(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        num_pages=num_pages,
+        page_size=config.page_size,
+        dtype=dtype,
+        device=str(device),
+        **policy,
+    )
 
 
 def attention_resource(

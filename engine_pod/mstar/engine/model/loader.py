@@ -277,7 +277,9 @@ def load_model(
         log.info("GGUF: %d of %d projections served quantized as stored", len(kept), len(specs))
         if kept:  # decode_layers takes packed float weights only
             refusal = ", ".join(r for r in (refusal, "GGUF-quantized projections") if r)
-    decoder.finalize_linears(_sharded(shard, _picker(quant, method)), fused=kernels is not None and refusal is None)
+    decoder.finalize_linears(
+        _sharded(shard, _picker(quant, method)), fused=kernels is not None and refusal is None
+    )
     if quant is not None:
         quant.weights.release()
     if kernels is not None:

@@ -169,7 +169,7 @@ class TPShard:
 
         return pick
 
-    def shard_embedding(self, embedding: nn.Module) -> VocabParallelEmbedding:
+    def shard_embedding(self, embedding: nn.Embedding) -> VocabParallelEmbedding:
         start, n = self.vocab
         return VocabParallelEmbedding(embedding.weight, start, n, self.group)
 
@@ -200,9 +200,7 @@ class TPLinearMethod:
             width = spec.in_features
             return [t[:, off : off + width] for t, off in zip(tensors, offsets, strict=True)]
         widths = spec.parts or (spec.out_features,)
-        return [
-            t[off : off + w] for t, off, w in zip(tensors, offsets, widths, strict=True)
-        ]
+        return [t[off : off + w] for t, off, w in zip(tensors, offsets, widths, strict=True)]
 
     def finalize(self, spec: LinearSpec, module: nn.Module) -> nn.Module:
         inner = self.inner.finalize(spec, module)
@@ -249,13 +247,13 @@ class GatherLogits(nn.Module):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Embedding):
     """Rows ``start .. start + n`` of the embedding; other ids read zeros, and one all-reduce
-    leaves every rank with every token's row (a sum of one row and zeros: exact)."""
+    leaves every rank with every token's row (a sum of one row and zeros: exact). The loaded
+    rows stay where they are (an LM head tied to them reads the same storage)."""
 
-    def __init__(self, weight: nn.Parameter, start: int, n: int, group: Any) -> None:
-        super().__init__()
-        self.weight = weight
+    def __init__(self, weight: torch.Tensor, start: int, n: int, group: Any) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
         self.start = start
         self.n = n
         self.group = group

@@ -20,13 +20,18 @@ import torch
 
 from mstar.engine.batch import DECODE_WALK
 from mstar.engine.config import EngineConfig
-from mstar.engine.engine import _pick_device, _pick_dtype, attention_resource, kv_pages
+from mstar.engine.engine import (
+    _pick_device,
+    _pick_dtype,
+    attention_resource,
+    kv_pages,
+    rank_kv_config,
+)
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.parallel.channel import StepChannel
 from mstar.engine.parallel.group import Layout, LocalWorkers, join_group, watch_parent
 from mstar.engine.resource_keys import KV
-from mstar.engine.resources.kv import KVConfig
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.step import ResourceStep, StepContext
@@ -50,17 +55,7 @@ def run_worker(config: EngineConfig, rank: int, address: str) -> int:
         )
         local = decoder.config
         pages = group.agree_min(kv_pages(config, model_config, device, dtype)[0])
-        cache = KVCache(
-            KVConfig(
-                num_layers=local.num_layers,
-                num_kv_heads=local.num_kv_heads,
-                head_dim=local.head_dim,
-                num_pages=pages,
-                page_size=config.page_size,
-                dtype=dtype,
-                device=str(device),
-            )
-        )
+        cache = KVCache(rank_kv_config(local, config, pages, dtype, device))
         attention = attention_resource(cache, local, config, device, dtype)
         positions = PositionsResource(device)
         channel = StepChannel(group, device)
