@@ -91,6 +91,17 @@ FAMILY_MODELS: dict[str, tuple[str, str, dict[str, object]]] = {
 }  # fmt: skip
 
 
+def smollm2_prompts(folder: Path, n: int) -> list[list[int]]:
+    """The first ``n`` `QUESTIONS` chat-formatted, then the same ``n`` as raw text."""
+    from mstar.engine.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(folder)
+    chat = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS[:n]
+    ]
+    return chat + [tok.encode(q) for q in QUESTIONS[:n]]
+
+
 def randomize_(model: torch.nn.Module, seed: int = 1234) -> None:
     """Every parameter random, norm weights and biases too, so a wrong convention (a norm's
     1 + w, a bias on the wrong projection) changes the tokens."""

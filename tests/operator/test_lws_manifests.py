@@ -18,8 +18,7 @@ import yaml
 from crd_schema import admit
 from op_harness import CRS, ROOT
 
-from mstar.engine import cli
-from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
+from mstar.engine.config import parse_cli_args, to_cli_args
 from mstar.operator import manifests
 from mstar.operator.children import build_children, child_of
 from mstar.operator.kube import MissingAPI
@@ -177,16 +176,6 @@ def test_a_bad_layout_is_named(gpus: int, parallelism: dict[str, int], problem: 
 def test_engine_refuses_an_inconsistent_layout(flags: list[str], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         parse_cli_args(flags)
-
-
-def test_serve_refuses_tensor_parallelism_until_the_engine_shards(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """The operator renders TP > 1 already; the engine says plainly that it cannot serve it."""
-    assert cli.main(["serve", "--tensor-parallel-size", "2", "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert "--tensor-parallel-size 2: tensor parallelism is not implemented" in err
-    assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2  # renderable
 
 
 def test_group_pod_templates_validate_strictly(tmp_path: Path) -> None:

@@ -62,21 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         config = from_namespace(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if config.tensor_parallel_size > 1:
-        # The operator renders the layout already; the sharded model and its executor do not
-        # exist yet (issue 47). Refuse plainly rather than serve on one device of several.
-        print(
-            f"mstar-engine: error: --tensor-parallel-size {config.tensor_parallel_size}: tensor "
-            "parallelism is not implemented in this engine yet; serve with "
-            "--tensor-parallel-size 1 (and --nnodes 1)",
-            file=sys.stderr,
-        )
-        return 2
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if (config.node_rank or 0) > 0:
+        # A worker pod of a multi-node replica: its ranks run steps; the leader serves HTTP.
+        from mstar.engine.parallel.worker import serve_node
+
+        return serve_node(config)
     # Heavy imports (torch, the model) only once the flags are known to be good.
     from mstar.engine.engine import LLMEngine
     from mstar.engine.model.config import ModelLoadError
@@ -112,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             exit_on_engine_failure=config.exit_on_engine_failure,
         )
     )
-    if code != 0:
+    if code == 0:
+        engine.close()  # the other ranks of a tensor-parallel replica (the loop has stopped)
+    else:
         # The engine died or hangs: a hung engine thread may never let the interpreter finish.
         logging.shutdown()
         os._exit(code)

@@ -186,9 +186,11 @@ class EngineConfig:
     tensor_parallel_size: int = field(
         default=1,
         metadata=_flag(
-            "Ranks one replica's model is sharded over (tensor parallelism), one per GPU, spread "
-            "evenly over --nnodes pods. Not implemented in the engine yet: serve refuses a size "
-            "above 1 (the operator already renders it)."
+            "Ranks one replica's model is sharded over (tensor parallelism: attention heads, MLP "
+            "rows and vocabulary split, gloo on CPU, NCCL on CUDA), one per GPU, spread evenly "
+            "over --nnodes pods; on one node the engine starts the other ranks itself. MoE "
+            "models and GGUF-quantized projections are not sharded (refused / dequantized), "
+            "and the host KV tier is off under it."
         ),
     )
     nnodes: int = field(

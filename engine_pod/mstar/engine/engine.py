@@ -9,26 +9,33 @@ server drives it from one thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.deterministic import check_head_dim, deterministic_setup
+from mstar.engine.executor import Executor, LocalExecutor, TensorParallelExecutor
 from mstar.engine.lora.manager import LoraManager
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
+from mstar.engine.model.tp import page_kv_heads
 from mstar.engine.model_runner import ModelRunner
 from mstar.engine.outputs import RequestOutput
+from mstar.engine.parallel.group import LeaderRanks, start_leader
 from mstar.engine.request import Request
 from mstar.engine.resource_keys import ATTN, KV, LORA, ROPE, SAMPLER
 from mstar.engine.resources.attention import AttentionResource
 from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVGroups, KVRequestConfig
+from mstar.engine.resources.kv.allocator import SINK_PAGE
+from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
@@ -37,6 +44,8 @@ from mstar.engine.sampling_params import InvalidParameter, SamplingParams, conte
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
 from mstar.kernels import cpu_kernels, resolve_attention_backend, select_attention_backend
 from mstar.kernels.cpu_gemm import cpu_prefers_bf16
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 1 * GIB
@@ -76,7 +85,10 @@ class LLMEngine:
         num_pages: int,
         host_offload_pages: int,
         serving: bool = False,
+        ranks: LeaderRanks | None = None,
     ) -> None:
+        """``ranks``: rank 0's side of a tensor-parallel replica (``decoder`` is then this
+        rank's shard and ``decoder.config`` its heads); None: one rank."""
         self.decoder = decoder
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -89,19 +101,17 @@ class LLMEngine:
         #: server's liveness check tells the two apart).
         self.executed_steps = 0
 
+        local = decoder.config  # this rank's heads (all of them on one rank)
         self.kv = KVCacheResource(
-            KVConfig(
-                num_layers=model_config.num_layers,
-                num_kv_heads=model_config.num_kv_heads,
-                head_dim=model_config.head_dim,
-                num_pages=num_pages,
-                page_size=config.page_size,
-                dtype=dtype,
-                device=str(device),
+            rank_kv_config(
+                local,
+                config,
+                num_pages,
+                dtype,
+                device,
                 max_seq_len=self.max_model_len,
                 host_offload_pages=host_offload_pages,
                 enable_prefix_cache=config.enable_prefix_caching,
-                layer_windows=model_config.layer_windows,
             )
         )
         #: Compiles structured-output grammars for this vocabulary (the server validates with it).
@@ -115,23 +125,7 @@ class LLMEngine:
             grammar=self.grammar,
             eos_token_ids=tokenizer.eos_token_ids,
         )
-        backends = [
-            select_attention_backend(
-                device, config.attention_backend, dtype, deterministic=config.deterministic
-            )
-            for _ in self.kv.groups.labels
-        ]
-        attention = AttentionResource(
-            self.kv.cache,
-            backends[0],
-            num_qo_heads=model_config.num_heads,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            sink_page=self.kv.arena.sink_page,
-            sm_scale=model_config.attn_scale,
-            layer_windows=model_config.layer_windows,
-            group_backends=backends[1:],
-        )
+        attention = attention_resource(self.kv.cache, local, config, device, dtype)
         resources = {
             KV: self.kv,
             ATTN: attention,
@@ -141,6 +135,8 @@ class LLMEngine:
         #: LoRA adapters served beside the base (`--enable-lora`, `--lora-modules`), or None
         self.lora: LoraManager | None = None
         if config.lora_enabled:
+            if ranks is not None:
+                raise ValueError("LoRA adapters under --tensor-parallel-size > 1 are not served yet")
             self.lora = LoraManager(decoder, config.max_loras, config.max_lora_rank)
             self.lora.register_modules(config.lora_modules)
             resources[LORA] = self.lora.resource
@@ -161,11 +157,15 @@ class LLMEngine:
             ),
             make_context=self.model_runner.step_context,
         )
-        # (LoRA steps run eager: the adapter rows' plan is not in the graphs' static buffers)
+        self.executor: Executor = LocalExecutor(self.model_runner)
+        if ranks is not None:
+            self.executor = TensorParallelExecutor(self.model_runner, ranks)
+        # Graphs hold neither the collectives nor the LoRA rows' plan (not in their buffers).
         self.model_runner.setup_graphs(
-            config.cuda_graph_batch_sizes, config.enforce_eager or self.lora is not None,
+            config.cuda_graph_batch_sizes,
+            config.enforce_eager or ranks is not None or self.lora is not None,
             self.max_model_len,
-        )  # fmt: skip
+        )
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -179,26 +179,32 @@ class LLMEngine:
         if config.deterministic:
             deterministic_setup(device, dtype, backend)
         path = config.model or str(default_model_path())
-        decoder, model_config, tokenizer = load_model(
-            path,
-            dtype=dtype,
-            device=device,
-            deterministic=config.deterministic,
-            quantization=config.quantization,
-        )
-        if config.deterministic:
-            check_head_dim(device, model_config.head_dim)
-        # A page holds every layer, or on a hybrid model one KV group's share (`KVGroups`).
-        slots = KVGroups.for_layers(model_config.num_layers, model_config.layer_windows).slots
-        bytes_per_page = (
-            model_config.kv_elements_per_token
-            * slots
-            // model_config.num_layers
-            * config.page_size
-            * torch.empty((), dtype=dtype).element_size()
-        )
-        num_pages = config.num_pages or _default_num_pages(config, device, bytes_per_page)
+        ranks = start_leader(config, device) if config.tensor_parallel_size > 1 else None
+        try:
+            decoder, model_config, tokenizer = load_model(
+                path,
+                dtype=dtype,
+                device=device,
+                deterministic=config.deterministic,
+                quantization=config.quantization,
+                tp=None if ranks is None else ranks.group.tp,
+            )
+            if config.deterministic:
+                check_head_dim(device, model_config.head_dim)
+            num_pages, bytes_per_page = kv_pages(config, model_config, device, dtype)
+            if ranks is not None:
+                num_pages = ranks.group.agree_min(num_pages)
+        except BaseException:
+            if ranks is not None:
+                if ranks.workers is not None:
+                    ranks.workers.kill()
+                ranks.group.leave()
+            raise
         host_pages = int(config.host_offload_gb * GIB) // bytes_per_page
+        if ranks is not None and host_pages:
+            # The host tier copies rank 0's pages only; the other ranks' heads would be lost.
+            log.info("tensor parallelism: host KV offload off (evicted requests recompute)")
+            host_pages = 0
         name = config.served_model_name or (
             "SmolLM2-135M-Instruct" if config.model is None else path.rstrip("/").split("/")[-1]
         )
@@ -213,6 +219,7 @@ class LLMEngine:
             num_pages=num_pages,
             host_offload_pages=host_pages,
             serving=serving,
+            ranks=ranks,
         )
 
     # -- public API ----------------------------------------------------------------------------
@@ -268,9 +275,17 @@ class LLMEngine:
             return self.scheduler.update(None, None)
         self.executed_steps += 1
         start = time.perf_counter()
-        result = self.model_runner.execute(batch)
+        result = self.executor.execute(batch)
         self.scheduler.observe_cost(batch, time.perf_counter() - start)
         return self.scheduler.update(batch, result)
+
+    def failure(self) -> str | None:
+        """Why this engine can step no more (a tensor-parallel rank died); None: it can."""
+        return self.executor.failure()
+
+    def close(self) -> None:
+        """Release the other ranks of a tensor-parallel replica (no-op on one rank)."""
+        self.executor.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -350,11 +365,69 @@ def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -
     return DEFAULT_BATCHED_TOKENS
 
 
-def _default_num_pages(config: EngineConfig, device: torch.device, bytes_per_page: int) -> int:
-    """Pages from free device memory on CUDA; a fixed host budget on CPU."""
+def kv_pages(
+    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[int, int]:
+    """(pages, bytes per page) of this rank's KV pool: ``--num-pages``, or free device memory
+    on CUDA / a fixed host budget on CPU over one page of a rank's KV heads (`page_kv_heads`:
+    the same count on every rank of a tensor-parallel replica)."""
+    heads = page_kv_heads(cfg, config.tensor_parallel_size)
+    # A page holds every layer, or on a hybrid model one KV group's share (`KVGroups`).
+    slots = KVGroups.for_layers(cfg.num_layers, cfg.layer_windows).slots
+    elements = cfg.kv_elements_per_token // cfg.num_kv_heads * heads * slots // cfg.num_layers
+    bytes_per_page = elements * config.page_size * torch.empty((), dtype=dtype).element_size()
+    if config.num_pages:
+        return config.num_pages, bytes_per_page
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization)
     else:
         budget = CPU_DEFAULT_KV_BYTES
-    return max(2, budget // bytes_per_page)
+    return max(2, budget // bytes_per_page), bytes_per_page
+
+
+def rank_kv_config(
+    cfg: ModelConfig,
+    config: EngineConfig,
+    num_pages: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    **policy: Any,
+) -> KVConfig:
+    """The KV pool of ``cfg``'s heads (a rank's own under tensor parallelism); ``policy``:
+    rank 0's offload, prefix-cache and length settings (the other ranks only hold pages)."""
+    return KVConfig(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        num_pages=num_pages,
+        page_size=config.page_size,
+        dtype=dtype,
+        device=str(device),
+        layer_windows=cfg.layer_windows,
+        **policy,
+    )
+
+
+def attention_resource(
+    cache: KVCache, cfg: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> AttentionResource:
+    """Paged attention over ``cache`` for ``cfg``'s heads (a rank's own under tensor
+    parallelism); page 0 is the sink page (`PageArena`) on every rank."""
+    backends = [
+        select_attention_backend(
+            device, config.attention_backend, dtype, deterministic=config.deterministic
+        )
+        for _ in cache.groups.labels
+    ]
+    return AttentionResource(
+        cache,
+        backends[0],
+        num_qo_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        sink_page=SINK_PAGE,
+        sm_scale=cfg.attn_scale,
+        group_backends=backends[1:],
+        layer_windows=cfg.layer_windows,
+    )

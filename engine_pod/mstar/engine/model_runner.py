@@ -19,7 +19,7 @@ Two GPU features hang off it, both optional and both off the CPU default path:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from mstar.engine.model.decoder import Decoder
 from mstar.engine.outputs import ErrorKind, RequestError
 from mstar.engine.resource_keys import ATTN, KV, LORA, ROPE, SAMPLER
 from mstar.engine.resources.host_copy import to_device
-from mstar.engine.resources.kv.plan import build_plan
+from mstar.engine.resources.kv.plan import KVPlan, build_plan
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerResource
 from mstar.engine.resources.sampling.prompt_logprobs import score_prompt_rows
@@ -74,6 +74,9 @@ class ModelRunner:
         self.rotation = SlotRotation(NUM_SLOTS)
         self.graphs: CudaGraphRunner | None = None
         self.preplans = 0
+        #: called with (input ids, KV plan, logits rows) right before each eager forward: the
+        #: tensor-parallel executor broadcasts the step to the other ranks there
+        self.before_forward: Callable[[torch.Tensor, KVPlan, torch.Tensor], None] | None = None
 
     # -- setup -----------------------------------------------------------------------------------
     def setup_graphs(
@@ -170,6 +173,8 @@ class ModelRunner:
                 index = to_device(rows, torch.long, self.device)
                 if self.decoder.lora_rows is not None:
                     self.decoder.lora_rows.begin(plans.get(LORA), rows)
+                if self.before_forward is not None:
+                    self.before_forward(input_ids, plans[KV], index)
                 logits = self.decoder(input_ids, plans[ROPE], plans[ATTN], index)
             # The forward is queued on the device: plan the next step meanwhile.
             self._preplan_next(batch)

@@ -35,6 +35,7 @@ from mstar.engine.model.linear import (
 from mstar.engine.model.moe import MoeBlock, load_moe_block_
 from mstar.engine.model.registry import family_named
 from mstar.engine.model.tokenizer import Tokenizer
+from mstar.engine.model.tp import TPRank, TPShard
 from mstar.kernels import cpu_kernels
 from mstar.kernels.cpu_gemm import can_pack, cpu_has_bf16
 
@@ -169,11 +170,13 @@ def build_decoder(
     device: torch.device,
     max_positions: int | None = None,
     linear_method: MethodPicker | None = None,
+    shard: TPShard | None = None,
 ) -> Decoder:
     """Allocate a decoder without random init and fill it from the folder's safetensors
-    (``linear_method``: each projection's method, default dense)."""
+    (``linear_method``: each projection's method, default dense; ``shard``: this rank's
+    slice of a tensor-parallel model, its projections' methods already `TPShard.picker`'s)."""
     model = Decoder(
-        cfg,
+        cfg if shard is None else shard.local_config(),
         dtype=dtype,
         device=device,
         max_positions=max_positions,
@@ -191,11 +194,10 @@ def build_decoder(
             torch.set_num_threads(1)
             stack.callback(torch.set_num_threads, threads)
         reader = _WeightReader(files, stack)
-        _copy(
-            params["embed_tokens.weight"],
-            reader["model.embed_tokens.weight"],
-            "model.embed_tokens.weight",
-        )
+        embed = reader["model.embed_tokens.weight"]
+        if shard is not None:
+            embed = shard.vocab_rows(embed)
+        _copy(params["embed_tokens.weight"], embed, "model.embed_tokens.weight")
         model.norm.load_(reader["model.norm.weight"])
         if not cfg.tie_word_embeddings:
             if "lm_head.weight" not in reader:
@@ -210,6 +212,8 @@ def build_decoder(
         for i in range(cfg.num_layers):
             for local, tensors in names(i):
                 _load_layer(model, reader, i, tensors, local)
+    if shard is not None:
+        model.embed_tokens = shard.shard_embedding(model.embed_tokens)
     model.eval()
     return model
 
@@ -222,6 +226,7 @@ def load_model(
     max_positions: int | None = None,
     deterministic: bool = False,
     quantization: str = "auto",
+    tp: TPRank | None = None,
 ) -> tuple[Decoder, ModelConfig, Tokenizer]:
     """Load a Hugging Face folder (or a ``.gguf`` file) of a registered family ->
     (decoder, config, tokenizer).
@@ -230,6 +235,8 @@ def load_model(
     ``quantization`` (`QUANTIZATIONS`): "auto" keeps a GGUF file's quantized projections in
     their blocks (`GGUFLinearMethod`, CPU, float32 or bf16) where `_gguf_method` allows it;
     "none" serves the dequantized conversion.
+    ``tp``: build this rank's shard of a tensor-parallel model (`mstar.engine.model.tp`); the
+    config returned is the whole model's, the decoder's (``decoder.config``) this rank's.
 
     Raises ``ModelLoadError`` naming the missing path, file or tensor, or the unsupported
     architecture.
@@ -257,11 +264,12 @@ def load_model(
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
     dev = torch.device(device)
     kernels = cpu_kernels.load() if dev.type == "cpu" else None
+    shard = None if tp is None or tp.size == 1 else TPShard.of(tp, cfg)
     quant = None
     if gguf_file is not None and quantization == "auto":
-        quant = _gguf_method(gguf_file, cfg, torch_dtype, dev, kernels, deterministic)
-    picker = _picker(quant, DenseLinearMethod())
-    decoder = build_decoder(cfg, folder, torch_dtype, dev, max_positions, picker)
+        quant = _gguf_method(gguf_file, cfg, torch_dtype, dev, kernels, deterministic, shard)
+    picker = _sharded(shard, _picker(quant, DenseLinearMethod()))
+    decoder = build_decoder(cfg, folder, torch_dtype, dev, max_positions, picker, shard)
     held, active = decoder.parameter_counts
     log.info("%s: %d parameters held, %d active per token", cfg.family, held, active)
     method = DenseLinearMethod(
@@ -271,13 +279,17 @@ def load_model(
         deterministic=deterministic,
     )
     refusal = fused_decode_refusal(cfg, family_named(cfg.family).fused_decode)
+    if shard is not None:  # its all-reduces sit between the kernel's projections
+        refusal = ", ".join(r for r in (refusal, "tensor parallelism") if r)
     if quant is not None:
         specs = decoder.linears.specs.values()
         kept = sorted(s.name for s in specs if quant.weights.takes(s))
         log.info("GGUF: %d of %d projections served quantized as stored", len(kept), len(specs))
         if kept:  # decode_layers takes packed float weights only
             refusal = ", ".join(r for r in (refusal, "GGUF-quantized projections") if r)
-    decoder.finalize_linears(_picker(quant, method), fused=kernels is not None and refusal is None)
+    decoder.finalize_linears(
+        _sharded(shard, _picker(quant, method)), fused=kernels is not None and refusal is None
+    )
     if quant is not None:
         quant.weights.release()
     if kernels is not None:
@@ -303,6 +315,10 @@ def _picker(quant: GGUFLinearMethod | None, dense: LinearMethod) -> MethodPicker
     return pick
 
 
+def _sharded(shard: TPShard | None, picker: MethodPicker) -> MethodPicker:
+    return picker if shard is None else shard.picker(picker)
+
+
 def _gguf_method(
     path: Path,
     cfg: ModelConfig,
@@ -310,11 +326,14 @@ def _gguf_method(
     device: torch.device,
     kernels: object | None,
     deterministic: bool,
+    shard: TPShard | None = None,
 ) -> GGUFLinearMethod | None:
     """The quantized method for a GGUF file, or None (logged why: the dequantized
     conversion is served instead)."""
     why = None
-    if device.type != "cpu":
+    if shard is not None:
+        why = "quantized blocks are not sliced for tensor parallelism"
+    elif device.type != "cpu":
         why = f"quantized GEMMs run on CPU only (device {device.type})"
     elif dtype not in (torch.float32, torch.bfloat16):
         why = f"quantized GEMMs take float32 or bfloat16 activations, not {dtype}"

@@ -279,6 +279,8 @@ async def watch_engine(engine: AsyncEngine) -> None:
     while engine.error is None:
         await asyncio.sleep(WATCHDOG_SECONDS)
         reason = engine.liveness.stall() if engine.alive else "the engine thread is gone"
+        failure = getattr(engine.engine, "failure", None)  # a tensor-parallel rank died
+        reason = reason or (failure() if failure is not None else None)
         if reason is not None and engine.error is None:
             log.error("%s; failing its requests", reason)
             engine.fail(EngineDeadError(reason))
