@@ -136,7 +136,7 @@ class LLMEngine:
         self.lora: LoraManager | None = None
         if config.lora_enabled:
             if ranks is not None:
-                raise ValueError("LoRA adapters under --tensor-parallel-size > 1 are not served yet")
+                raise ValueError("--enable-lora: not served with --tensor-parallel-size > 1 yet")
             self.lora = LoraManager(decoder, config.max_loras, config.max_lora_rank)
             self.lora.register_modules(config.lora_modules)
             resources[LORA] = self.lora.resource
