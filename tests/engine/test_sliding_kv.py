@@ -45,7 +45,7 @@ def test_groups_exact_under_eviction_offload_and_prefix_hits(gemma3: Path) -> No
     assert kv.groups.labels == ("main", "swa1", "swa2", "swa3", "swa4", "swa5")
     assert kv.cache.tensor.shape[0] == 1  # a page holds one layer: six groups of one
     head = _prompts(7, (24,), [])[0]
-    first = [head + [5, 6, 7]]
+    first = [[*head, 5, 6, 7]]
     assert engine.generate(first, GREEDY) == hf_greedy(gemma3, first, NEW_TOKENS)
     _all_returned(engine)
     # Prompts past the window sharing the first one's 24-token head (six whole 4-token pages).
@@ -121,9 +121,7 @@ def _held_bytes(engine) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("window", [512, 1024])
-def test_long_request_holds_a_fraction_of_the_all_global_bytes(
-    tmp_path: Path, window: int
-) -> None:
+def test_long_request_holds_a_fraction_of_the_all_global_bytes(tmp_path: Path, window: int) -> None:
     """A 4,096-token request on a 5:1 local/global model against every layer global."""
     layers = 6
     shape = dict(num_hidden_layers=layers, sliding_window=window, max_position_embeddings=8192)
@@ -142,7 +140,6 @@ def test_long_request_holds_a_fraction_of_the_all_global_bytes(
         engine.abort_request("r")
         _all_returned(engine)
     ratio = held["windowed"] / held["global"]
-    print("KVRATIO", window, held, ratio)
     # 1/6 + 5/6 * (window + a page) / 4096: 0.277 at 512, 0.375 at 1024
     bound = 1 / 6 + 5 / 6 * (window + 16) / 4096
     assert ratio <= bound + 1e-9, (held, ratio)

@@ -32,7 +32,8 @@ from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.kv.config import KVConfig, KVRequestConfig, pages_for
 from mstar.engine.resources.kv.copier import CopyWorker
 from mstar.engine.resources.kv.debug import check_pages_conserved, debug_asserts_enabled
-from mstar.engine.resources.kv.groups import HOLE, live_from
+from mstar.engine.resources.kv.grouping import GroupedStreams
+from mstar.engine.resources.kv.groups import live_from
 from mstar.engine.resources.kv.host import HostPagePool
 from mstar.engine.resources.kv.offload import HostOffload
 from mstar.engine.resources.kv.plan import KVPlan, build_plan
@@ -58,7 +59,7 @@ def _refuse(reason: Any) -> AdmitOutcome:
     return AdmitOutcome(False, True, reason)
 
 
-class KVCacheResource(PrefixSharing, HostOffload, Resource):
+class KVCacheResource(GroupedStreams, PrefixSharing, HostOffload, Resource):
     """Paged KV cache with a refcounted arena, a prefix index and a host offload tier."""
 
     supports_eviction = True
@@ -162,24 +163,6 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
                 return 0
             return sum(len(s.pages) - s.dropped for s in per.values() if s.pages)
 
-    def pages_by_label(self) -> dict[str, int]:
-        """Distinct device pages the requests' streams hold, per KV group (walks the streams:
-        /metrics, tests)."""
-        held: dict[str, set[int]] = {label: set() for label in self.groups.labels}
-        with self._lock:
-            for per in self._streams.values():
-                for label, stream in per.items():
-                    held.setdefault(label, set()).update(stream.pages[stream.dropped :])
-        return {label: len(pages) for label, pages in held.items()}
-
-    def pages_to_grow(self, request_id: str, num_tokens: int) -> int:
-        """New pages an admit takes for the request to hold ``num_tokens`` tokens in all."""
-        need = pages_for(num_tokens, self.page_size)
-        with self._lock:
-            per = self._streams.get(request_id) or {}
-            held = [len(s.pages) for s in per.values()]
-        return sum(max(0, need - h) for h in held) + need * (len(self.groups.labels) - len(held))
-
     def stored_len(self, request_id: str, label: str = MAIN_LABEL) -> int:
         with self._lock:
             per = self._streams.get(request_id)
@@ -243,20 +226,6 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
                 self._streams[request_id] = self._new_streams()
             self._check()
 
-    def _new_streams(self) -> dict[str, Stream]:
-        return {label: Stream() for label in self.groups.labels}
-
-    def _expand(self, segments: Sequence[Segment]) -> Sequence[Segment]:
-        """The segments with each main one repeated for the request's other KV groups."""
-        if not self._linked:
-            return segments
-        out: list[Segment] = []
-        for seg in segments:
-            out.append(seg)
-            if seg[1] == MAIN_LABEL:
-                out.extend(Segment(seg[0], label, seg[2]) for label, _ in self._linked)
-        return out
-
     def _drop_streams(self, request_id: str, per: dict[str, Stream]) -> None:
         """Release the streams' pages; a copy moving some of them releases those on landing."""
         copy = self._copies.detach(request_id)
@@ -271,7 +240,6 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
         segments = step.segments
         if not segments:
             return ADMIT_OK
-        segments = self._expand(segments)
         ps = self.page_size
         max_len = self.config.max_seq_len
         usable = self.arena.num_usable
@@ -280,7 +248,7 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
             touched: list[Stream] = []
             grow: list[tuple[Stream, int, str, str]] = []
             total = 0
-            for rid, label, span in segments:
+            for rid, label, span in self._expand(segments):
                 per = streams.get(rid)
                 if per is None:
                     return _refuse(
@@ -450,14 +418,6 @@ class KVCacheResource(PrefixSharing, HostOffload, Resource):
     def _check(self) -> None:
         if self._debug:
             self.assert_pages_conserved()
-
-    def _slide(self, stream: Stream, live: int) -> None:
-        """Give back a sliding group's pages before ``live``: no query reads them again."""
-        gone = stream.pages[stream.dropped : live]
-        self.arena.release(gone)
-        stream.pages[stream.dropped : live] = [HOLE] * len(gone)
-        stream.dropped = live
-        stream.generation += 1
 
     def _drop_stream_storage(self, stream: Stream) -> None:
         if stream.pages:
