@@ -45,7 +45,7 @@ from bench_all import (
 )
 
 HERE = Path(__file__).resolve().parent
-ATTENTION = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+ATTENTION = dict(hidden_size=1024, num_attention_heads=16,
                  num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                  rms_norm_eps=1e-6, tie_word_embeddings=False)  # fmt: skip
 #: name -> (transformers config class, model class, its own fields)
@@ -68,19 +68,23 @@ def cache() -> Path:
     return default_cache_root() / "bench" / "moe"
 
 
-def model_folder(name: str) -> Path:
+def model_folder(name: str, layers: int) -> Path:
     """The model's HF folder (bf16 safetensors, SmolLM2's tokenizer), written once."""
     import transformers
 
     from mstar.engine.model.gguf_convert import default_model_path
 
-    folder = cache() / name
+    folder = cache() / f"{name}-{layers}l"
     if (folder / "config.json").is_file():
         return folder
     config_cls, model_cls, own = MODELS[name]
     tok = default_model_path()
     config = getattr(transformers, config_cls)(
-        vocab_size=49152, bos_token_id=1, eos_token_id=2, **ATTENTION, **own
+        vocab_size=49152,
+        bos_token_id=1,
+        eos_token_id=2,
+        **{**ATTENTION, **own},
+        num_hidden_layers=layers,
     )
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
@@ -93,9 +97,9 @@ def model_folder(name: str) -> Path:
     return folder
 
 
-def gguf_file(name: str, folder: Path) -> Path:
+def gguf_file(folder: Path) -> Path:
     """The same weights as a BF16 GGUF, by llama.cpp's own converter (written once)."""
-    out = cache() / f"{name}-BF16.gguf"
+    out = cache() / f"{folder.name}-BF16.gguf"
     if not out.exists():
         part = out.with_suffix(".partial")
         cmd = [sys.executable, str(CONVERTER), str(folder), "--outtype", "bf16", "--outfile",
@@ -129,6 +133,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers of every model")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument(
@@ -138,7 +143,7 @@ def main() -> None:
     report = Report(Path(args.out), f"# MoE models beside the peers\n\n{machine()}")
     dtype, new = "bfloat16", args.new_tokens
     for name in args.models:
-        folder = model_folder(name)
+        folder = model_folder(name, args.layers)
         held, active = params(folder)
         work = {b: [prompts(b, r, 49152, args.seed) for r in range(args.repeat)]
                 for b in args.batches}  # fmt: skip
@@ -180,7 +185,7 @@ def main() -> None:
         try:
             llama_cpp_bin()
             peer1: dict[str, float] | str = offline_llama_cpp(
-                dtype, new, args.repeat, gguf=gguf_file(name, folder)
+                dtype, new, args.repeat, gguf=gguf_file(folder)
             )
         except (subprocess.CalledProcessError, OSError, json.JSONDecodeError) as exc:
             peer1 = failure(exc)

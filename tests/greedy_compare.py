@@ -19,12 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from mstar.engine.engine import LLMEngine
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.sampling_params import SamplingParams
 
 LOGPROB_TOL = 0.2
 NEAR_TIE = 2 * LOGPROB_TOL
+#: a router near-tie: the reference's k-th and (k+1)-th router logits closer than this many
+#: bf16 rounding steps (relative 2^-7) of the k-th's magnitude. Calibration: the Qwen3-MoE
+#: test model's one bf16 divergence routes differently first at a margin of 0.047, 3 steps at
+#: its logit (in [2, 4)); the logits are bf16 dot products of inputs the two engines rounded
+#: differently through every earlier layer, so a few steps of drift are rounding
+ROUTER_TIE_ULPS = 4
 
 Tokens = list[list[int]]
 Logprobs = list[list[TokenLogprob]]
@@ -84,3 +92,38 @@ def assert_close_until_near_tie(
             worst = max(worst, drift)
             compared += 1
     return compared, worst
+
+
+def router_logits(engine: LLMEngine, tokens: Sequence[int]) -> list[torch.Tensor]:
+    """Every MoE router's logits, in the order they run, for ``tokens`` as one prompt (its
+    prefill, the first sampled token's step): float32 [rows, experts] per router call."""
+    calls: list[torch.Tensor] = []
+    hooks = [
+        block.router.register_forward_hook(lambda m, i, out: calls.append(out.float()))
+        for block in engine.decoder.moe_blocks()
+    ]
+    try:
+        engine.generate([list(tokens)], SamplingParams(max_tokens=1, temperature=0.0))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def router_flip(
+    ref: LLMEngine, got: LLMEngine, tokens: Sequence[int], k: int
+) -> tuple[float, float]:
+    """Where the two engines' routers first choose different top-``k`` experts for ``tokens``:
+    (the reference's margin there between its k-th and (k+1)-th logit, the near-tie bound
+    for it); AssertionError when they choose the same experts everywhere."""
+    for a, b in zip(router_logits(ref, tokens), router_logits(got, tokens), strict=True):
+        top_a, top_b = (
+            a.topk(k, dim=-1).indices.sort(-1).values,
+            b.topk(k, dim=-1).indices.sort(-1).values,
+        )
+        differs = (top_a != top_b).any(-1).nonzero()
+        if differs.numel():
+            row = a[int(differs[0])].sort(descending=True).values
+            bound = ROUTER_TIE_ULPS * torch.finfo(torch.bfloat16).eps * float(row[k - 1].abs())
+            return float(row[k - 1] - row[k]), bound
+    raise AssertionError("the routers choose the same experts at every step: no router flip")

@@ -296,7 +296,8 @@ class FlashInferPagedAttention:
         """Attention for q [T, Hq, D] against one layer's NHD cache view (``window``: a
         sliding-window layer's, planned in this step's ``windows``). ``sinks`` are refused:
         the paged prefill/decode wrappers planned here take none (FlashInfer's sink attention
-        is a separate wrapper, not wired or verified on a GPU here)."""
+        is `BatchAttentionWithAttentionSinkWrapper`, a prefill wrapper whose ``run`` takes
+        them: not wired, and not verified on a GPU here)."""
         if sinks is not None:
             raise ValueError("attention sinks (gpt-oss) are not supported on the FlashInfer path")
         if q.shape[0] != self._num_tokens:

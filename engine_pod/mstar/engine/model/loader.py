@@ -131,8 +131,8 @@ def _load_layer(
     `RMSNorm.load_`, an MoE block (``local`` "moe", ``names`` its checkpoint module) through
     `load_moe_block_`; what the config does not have (a bias, a q/k norm) is skipped."""
     if local == "sinks":  # gpt-oss: one float32 logit per query head
-        sinks = model.layers[i].sinks
-        if sinks is not None:
+        sinks = getattr(model.layers[i], "sinks", None)
+        if isinstance(sinks, torch.Tensor):
             _copy(sinks, reader[names[0]], names[0])
         return
     if local == "moe":

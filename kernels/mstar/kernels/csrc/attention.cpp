@@ -771,6 +771,7 @@ template void prefill_dim<float>(int64_t, const float*, int64_t, int64_t, const 
                                  float, const float*);
 template void prefill_dim<bf16>(int64_t, const bf16*, int64_t, int64_t, const bf16*,
                                 const int64_t*, int64_t, const int64_t*, const int64_t*,
-                                const int64_t*, int64_t, bf16*, int64_t, int64_t, int64_t, float);
+                                const int64_t*, int64_t, bf16*, int64_t, int64_t, int64_t, float,
+                                const float*);
 
 }  // namespace mstar_cpu
