@@ -32,7 +32,8 @@ from mstar.kernels.quant_linear import QuantLinear, row_bytes
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 QTYPES = {
-    "llama": {
+    "llama": {  # its tied LM head multiplies by the embedding's Q8_0 blocks
+        "token_embd.weight": "Q8_0",
         "attn_q.weight": "Q8_0",
         "attn_k.weight": "Q8_0",
         "attn_v.weight": "Q8_0",
@@ -96,11 +97,13 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
     assert "GGUF-quantized projections" in caplog.text  # fused decode refused by name
     assert quant.fused_decode is None
 
-    # every projection holds the file's blocks, and nothing else of its weight
+    # every projection holds the file's blocks, and nothing else of its weight; a tied head
+    # is quantized where the embedding is
+    quantized_head = not cfg.tie_word_embeddings or "token_embd.weight" in QTYPES[family]
     taken = 0
     for name, spec in quant.linears.specs.items():
         module = quant.get_submodule(name)
-        if name == "lm_head" and cfg.tie_word_embeddings:
+        if name == "lm_head" and not quantized_head:
             assert isinstance(module, PackedLinear)  # the float embedding's, packed
             continue
         parts = module.parts if isinstance(module, ConcatQuantLinear) else [module]
@@ -110,11 +113,11 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
         assert _bytes(module) == stored + (spec.out_features * 4 if spec.bias else 0)
         assert isinstance(dense.get_submodule(name), PackedLinear)
         taken += 1
-    assert taken == cfg.num_layers * 4 + (0 if cfg.tie_word_embeddings else 1)
+    assert taken == cfg.num_layers * 4 + quantized_head
     saved = sum(
         _bytes(dense.get_submodule(n)) - _bytes(quant.get_submodule(n))
         for n in quant.linears.specs
-        if n != "lm_head" or not cfg.tie_word_embeddings
+        if n != "lm_head" or quantized_head
     )
     assert saved > 0 and _bytes(quant) == _bytes(dense) - saved
 

@@ -2,8 +2,9 @@
 
 `GGUFWeights` reads a GGUF file's tensors as stored (`gguf_quant.read_stored`) and picks, per
 projection, `GGUFLinearMethod` where every checkpoint tensor fused into it is a type
-`QuantLinear` serves and its rows are whole blocks; anything else (F32/F16 tensors, a type not
-served, a tied LM head, which is the float embedding) stays with the dense method. The
+`QuantLinear` serves and its rows are whole blocks (a tied LM head: the token embedding's
+blocks, as llama.cpp multiplies by them; the lookup keeps the float embedding); anything else
+(F32/F16 tensors, a type not served) stays with the dense method. The
 quantized module holds only the bias until `finalize` copies the raw blocks out of the file:
 one `QuantLinear` when the parts share a type, else one per part with their outputs
 concatenated (a Q4_K_M file mixes Q4_K q/k with Q6_K v). The float tensors the loader hands
@@ -65,8 +66,9 @@ class GGUFWeights:
                 module, _, kind = local.rpartition(".")
                 if kind == "weight":
                     self.sources[f"layers.{i}.{module}"] = tensors
-        if not cfg.tie_word_embeddings:
-            self.sources["lm_head"] = ["lm_head.weight"]
+        # a tied head multiplies by the embedding's blocks (the lookup keeps its float copy)
+        tied = cfg.tie_word_embeddings
+        self.sources["lm_head"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         self._takes: dict[str, bool] = {}
 
     def takes(self, spec: LinearSpec) -> bool:
