@@ -6,8 +6,9 @@ RSS: `mstar-engine serve` started on the packaged ``SmolLM2-135M-Instruct.Q4_1.g
 (the conversion, served bf16), the same KV pages each; after a warmup of a few completions the
 server's VmRSS (/proc/<pid>/status, the process and its children).
 
-Serving (``--serve``): the same closed-loop client against each server in turn: at each
-concurrency, that many workers post completions (a fixed 128-word prompt, ``--max-tokens``
+Serving (``--serve``): the same closed-loop client against each server in turn (mstar on the
+Q4_1 file, mstar on today's default bf16 folder, llama-server on the Q4_1 file): at each
+concurrency, that many workers post completions (a fixed 143-word prompt, ``--max-tokens``
 tokens, ignore_eos) until ``--requests`` have been answered; output tok/s = tokens / wall time,
 best of ``--repeat``. llama-server (build 11434) gets a slot per worker.
 
@@ -132,8 +133,8 @@ def main() -> None:
     if not args.serve:
         return
     results: dict[str, dict[int, float]] = {}
-    for kind in ("auto", "llama.cpp"):
-        proc = start(kind, gguf, max(args.concurrency))
+    for kind in ("auto", "none", "llama.cpp"):  # none: today's default, the bf16 folder
+        proc = start(kind, None if kind == "none" else gguf, max(args.concurrency))
         try:
             asyncio.run(load(2, 4, 16))  # warmup
             results[kind] = {
@@ -145,11 +146,12 @@ def main() -> None:
         finally:
             stop(proc)
     print(f"\nload {os.getloadavg()[0]:.2f}\n")
-    print("| concurrency | mstar tok/s | llama-server tok/s | mstar / llama-server |")
-    print("|---:|---:|---:|---:|")
+    print("| concurrency | mstar Q4_1 tok/s | mstar bf16 (default) | llama-server Q4_1 "
+          "| Q4_1 / llama-server | Q4_1 / bf16 |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|")
     for c in args.concurrency:
-        a, b = results["auto"][c], results["llama.cpp"][c]
-        print(f"| {c} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+        a, d, b = results["auto"][c], results["none"][c], results["llama.cpp"][c]
+        print(f"| {c} | {a:.1f} | {d:.1f} | {b:.1f} | {a / b:.2f}x | {a / d:.2f}x |")
 
 
 if __name__ == "__main__":
