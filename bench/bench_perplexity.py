@@ -27,16 +27,19 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-
-from bench_all import llama_cpp_bin, machine, requantized
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
 from mstar.engine.model.gguf_convert import find_packaged_gguf
 from mstar.engine.sampling_params import SamplingParams
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_all import llama_cpp_bin, machine, requantized  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 SECTIONS = ("execmodel", "import")
 TEXT_SHA256 = "bd8f80db2b2aba0fa06da36259f6bffa58b372773e91c2534161ff8f91dacae4"
@@ -88,9 +91,9 @@ def mstar_nll(engine: LLMEngine, wins: list[list[int]]) -> tuple[float, int]:
     return total, count
 
 
-def mstar_engine(path: Path, dtype: str, quantization: str, text: str) -> LLMEngine:
-    """An engine with KV pages for every window at once (a token is at least a character)."""
-    pages = len(text) // 16 + 64
+def mstar_engine(path: Path, dtype: str, quantization: str, tokens: int) -> LLMEngine:
+    """An engine with KV pages for ``tokens`` at once (every window in one batch)."""
+    pages = tokens // 16 + 64
     config = EngineConfig(
         model=str(path), dtype=dtype, device="cpu", quantization=quantization, num_pages=pages,
         seed=0, enable_prefix_caching=False,
@@ -139,7 +142,7 @@ def main() -> None:
             theirs, chunks = llama_nll(path, text_file, args.ctx)
             for dtype in args.dtypes.split(","):
                 quantization = "none" if qtype == "F32" else "auto"
-                engine = mstar_engine(path, dtype, quantization, text)
+                engine = mstar_engine(path, dtype, quantization, len(text))  # >= its tokens
                 tok = engine.tokenizer
                 add_bos = tok.encode("", add_special_tokens=True) != []
                 bos = engine.model_config.bos_token_id if add_bos else None

@@ -27,9 +27,12 @@ import time
 from pathlib import Path
 
 import aiohttp
-from bench_all import llama_cpp_bin, machine, wait_ready
 
 from mstar.engine.model.gguf_convert import find_packaged_gguf
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_all import llama_cpp_bin, machine, wait_ready  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 PORT = 8131
 URL = f"http://127.0.0.1:{PORT}"
