@@ -381,6 +381,12 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600
 
 def tree_peak_rss(pid: int) -> int:
     """Sum of VmHWM (peak resident set) over a process and its descendants, bytes."""
+    return tree_status_bytes(pid, "VmHWM")
+
+
+def tree_status_bytes(pid: int, field: str) -> int:
+    """Sum of a /proc/<pid>/status size ``field`` (VmHWM, VmRSS) over a process and its
+    descendants, bytes."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
@@ -391,7 +397,7 @@ def tree_peak_rss(pid: int) -> int:
         except OSError:
             continue
         for line in status.splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 total += int(line.split()[1]) * 1024
     return total
 

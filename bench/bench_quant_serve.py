@@ -32,7 +32,7 @@ from mstar.engine.model.gguf_convert import find_packaged_gguf
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_all import llama_cpp_bin, machine, wait_ready  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from bench_all import llama_cpp_bin, machine, tree_status_bytes, wait_ready  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 PORT = 8131
 URL = f"http://127.0.0.1:{PORT}"
@@ -40,23 +40,6 @@ NAME = "bench-model"
 #: KV pages given to mstar either way (16 tokens each): room for 32 requests of 200 tokens
 PAGES = 512
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 11)
-
-
-def tree_rss(pid: int) -> int:
-    """VmRSS summed over a process and its descendants, bytes."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def start(kind: str, model: str | None, slots: int) -> subprocess.Popen[bytes]:
@@ -112,7 +95,7 @@ def rss_row(kind: str, model: str | None) -> int:
     proc = start(kind, model, 1)
     try:
         asyncio.run(load(2, 4, 16))
-        return tree_rss(proc.pid)
+        return tree_status_bytes(proc.pid, "VmRSS")
     finally:
         stop(proc)
 
