@@ -16,7 +16,7 @@ second half scored: the logits at positions ctx/2 .. ctx-2 predict tokens ctx/2+
 mstar scores a window as one request's prompt logprobs (`SamplingParams.prompt_logprobs`).
 
     flock /tmp/mstar-heavy.lock python bench/bench_perplexity.py [--ctx 512] \\
-        [--types F32,Q8_0,Q4_1,Q4_K_M] [--dtypes float32,bfloat16]
+        [--types F32,Q8_0,Q4_1,Q4_K_M] [--dtypes float32,bfloat16] [--chunks N]
 """
 
 from __future__ import annotations
@@ -109,17 +109,18 @@ def llama_tokens(path: Path, text_file: Path) -> list[int]:
     return [int(t) for t in re.findall(r"-?\d+", out.strip().splitlines()[-1])]
 
 
-def llama_nll(path: Path, text_file: Path, ctx: int) -> tuple[float, int]:
-    """llama-perplexity's mean NLL (the log of its final PPL) and how many windows it scored."""
+def llama_nll(path: Path, text_file: Path, ctx: int, chunks: int) -> tuple[float, int]:
+    """llama-perplexity's mean NLL (the log of its final PPL) over its first ``chunks``
+    windows (-1: all), and how many windows it scored."""
     cmd = [str(llama_cpp_bin() / "llama-perplexity"), "-m", str(path), "-f", str(text_file)]
-    cmd += ["-c", str(ctx), "-b", str(ctx), "-t", str(os.cpu_count())]
+    cmd += ["-c", str(ctx), "-b", str(ctx), "-t", str(os.cpu_count()), "--chunks", str(chunks)]
     res = subprocess.run(cmd, check=True, capture_output=True, text=True)
     log = res.stdout + res.stderr
     ppl = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
-    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
-    if ppl is None or chunks is None:
+    scored = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if ppl is None or scored is None:
         raise SystemExit(f"llama-perplexity gave no estimate:\n{log[-2000:]}")
-    return math.log(float(ppl.group(1))), int(chunks.group(1))
+    return math.log(float(ppl.group(1))), int(scored.group(1))
 
 
 def model_file(qtype: str) -> Path:
@@ -129,6 +130,7 @@ def model_file(qtype: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=-1, help="the first N windows (-1: all)")
     parser.add_argument("--types", default="F32,Q8_0,Q4_1,Q4_K_M")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="mstar's activations")
     args = parser.parse_args()
@@ -139,7 +141,7 @@ def main() -> None:
         text_file.write_text(text)
         for qtype in args.types.split(","):
             path = model_file(qtype)
-            theirs, chunks = llama_nll(path, text_file, args.ctx)
+            theirs, chunks = llama_nll(path, text_file, args.ctx, args.chunks)
             for dtype in args.dtypes.split(","):
                 quantization = "none" if qtype == "F32" else "auto"
                 engine = mstar_engine(path, dtype, quantization, len(text))  # >= its tokens
@@ -148,7 +150,7 @@ def main() -> None:
                 bos = engine.model_config.bos_token_id if add_bos else None
                 tokens = tok.encode(text, add_special_tokens=True)
                 same = tokens == llama_tokens(path, text_file)
-                wins = windows(tokens, args.ctx, bos)
+                wins = windows(tokens, args.ctx, bos)[: args.chunks if args.chunks > 0 else None]
                 if len(wins) != chunks:
                     raise SystemExit(f"{qtype}: {len(wins)} windows, llama-perplexity {chunks}")
                 total, count = mstar_nll(engine, wins)
