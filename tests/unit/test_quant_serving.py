@@ -23,7 +23,7 @@ from test_model_gguf_convert import write_tiny_gguf
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
 from mstar.engine.model import ModelLoadError, load_model
-from mstar.engine.model.gguf_linear import ConcatQuantLinear
+from mstar.engine.model.gguf_linear import ConcatQuantLinear, QuantEmbedding
 from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import quant_linear
 from mstar.kernels.cpu_gemm import PackedLinear
@@ -32,7 +32,8 @@ from mstar.kernels.quant_linear import QuantLinear, row_bytes
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 QTYPES = {
-    "llama": {
+    "llama": {  # its tied LM head multiplies by the embedding's Q8_0 blocks
+        "token_embd.weight": "Q8_0",
         "attn_q.weight": "Q8_0",
         "attn_k.weight": "Q8_0",
         "attn_v.weight": "Q8_0",
@@ -96,11 +97,13 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
     assert "GGUF-quantized projections" in caplog.text  # fused decode refused by name
     assert quant.fused_decode is None
 
-    # every projection holds the file's blocks, and nothing else of its weight
+    # every projection holds the file's blocks, and nothing else of its weight; a tied head
+    # is quantized where the embedding is
+    quantized_head = not cfg.tie_word_embeddings or "token_embd.weight" in QTYPES[family]
     taken = 0
     for name, spec in quant.linears.specs.items():
         module = quant.get_submodule(name)
-        if name == "lm_head" and cfg.tie_word_embeddings:
+        if name == "lm_head" and not quantized_head:
             assert isinstance(module, PackedLinear)  # the float embedding's, packed
             continue
         parts = module.parts if isinstance(module, ConcatQuantLinear) else [module]
@@ -110,12 +113,17 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
         assert _bytes(module) == stored + (spec.out_features * 4 if spec.bias else 0)
         assert isinstance(dense.get_submodule(name), PackedLinear)
         taken += 1
-    assert taken == cfg.num_layers * 4 + (0 if cfg.tie_word_embeddings else 1)
+    assert taken == cfg.num_layers * 4 + quantized_head
     saved = sum(
         _bytes(dense.get_submodule(n)) - _bytes(quant.get_submodule(n))
         for n in quant.linears.specs
-        if n != "lm_head" or not cfg.tie_word_embeddings
+        if n != "lm_head" or quantized_head
     )
+    # a quantized tied head's blocks are the embedding's too: the float table is dropped
+    shared = cfg.tie_word_embeddings and quantized_head
+    assert isinstance(quant.embed_tokens, QuantEmbedding) == shared
+    if shared:
+        saved += _bytes(dense.embed_tokens)
     assert saved > 0 and _bytes(quant) == _bytes(dense) - saved
 
     ids = tok.encode("the quick brown fox jumps over")

@@ -23,7 +23,7 @@ from mstar.engine.config import QUANTIZATIONS
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.decoder import Decoder, fused_decode_refusal
 from mstar.engine.model.gguf_convert import gguf_folder
-from mstar.engine.model.gguf_linear import GGUFLinearMethod, GGUFWeights
+from mstar.engine.model.gguf_linear import GGUFLinearMethod, GGUFWeights, share_tied_embedding
 from mstar.engine.model.layers import RMSNorm
 from mstar.engine.model.linear import (
     DenseLinearMethod,
@@ -292,6 +292,8 @@ def load_model(
     )
     if quant is not None:
         quant.weights.release()
+        if cfg.tie_word_embeddings and share_tied_embedding(decoder):
+            log.info("GGUF: the tied embedding is looked up in the LM head's blocks")
     if kernels is not None:
         if decoder.fused_decode is not None:
             log.info("%s: decode steps run every layer in one fused CPU kernel call", cfg.family)
