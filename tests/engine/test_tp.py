@@ -69,6 +69,18 @@ def test_two_ranks_match_one_on_the_families(family: str, family_dirs: dict[str,
     assert drift < LOGPROB_TOL
 
 
+def test_two_ranks_match_one_when_a_small_pool_evicts(family_dirs: dict[str, Path]) -> None:
+    """Rank 0 evicts and recomputes on its own page table: the other ranks' pools follow it."""
+    folder = family_dirs["llama"]
+    small = {"num_pages": 14, "host_offload_gb": 0.0}  # 13 usable pages of 4 tokens, 4 requests
+    ref_engine = make_engine(folder, **small)
+    ref = run(ref_engine, PROMPTS, GREEDY)
+    sharded = make_engine(folder, tensor_parallel_size=2, **small)
+    got = run(sharded, PROMPTS, GREEDY)
+    assert sharded.counters.evictions > 0 and ref_engine.counters.evictions > 0
+    assert_close_until_near_tie(ref, got, logprob_tol=LOGPROB_TOL, near_tie=2 * LOGPROB_TOL)
+
+
 @pytest.mark.slow
 def test_two_ranks_match_one_on_smollm2() -> None:
     """The real model's 3 KV heads split 2 + 1: uneven heads, one page count on both ranks."""

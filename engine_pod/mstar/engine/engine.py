@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -26,29 +25,24 @@ from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
-from mstar.engine.model.tp import page_kv_heads
 from mstar.engine.model_runner import ModelRunner
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.parallel.group import LeaderRanks, start_leader
+from mstar.engine.rank_resources import GIB, attention_resource, kv_pages, rank_kv_config
 from mstar.engine.request import Request
 from mstar.engine.resource_keys import ATTN, KV, LORA, ROPE, SAMPLER
-from mstar.engine.resources.attention import AttentionResource
-from mstar.engine.resources.kv import KVCacheResource, KVConfig, KVGroups, KVRequestConfig
-from mstar.engine.resources.kv.allocator import SINK_PAGE
-from mstar.engine.resources.kv.cache import KVCache
+from mstar.engine.resources.kv import KVCacheResource, KVRequestConfig
 from mstar.engine.resources.positions import PositionsResource
 from mstar.engine.resources.runner import StepRunner
 from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResource
 from mstar.engine.resources.sampling.grammar import GrammarBackend, InvalidGrammar
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
-from mstar.kernels import cpu_kernels, resolve_attention_backend, select_attention_backend
+from mstar.kernels import cpu_kernels, resolve_attention_backend
 from mstar.kernels.cpu_gemm import cpu_prefers_bf16
 
 log = logging.getLogger(__name__)
 
-GIB = 1 << 30
-CPU_DEFAULT_KV_BYTES = 1 * GIB
 #: Step token budgets when --max-num-batched-tokens is unset (its help has the measurements).
 #: The adaptive serving budget and offline batches take up to the default; a CPU server with
 #: --step-budget fixed keeps steps short for TTFT.
@@ -363,71 +357,3 @@ def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -
     if serving and device.type == "cpu" and config.step_budget == "fixed":
         return CPU_FIXED_SERVING_BATCHED_TOKENS
     return DEFAULT_BATCHED_TOKENS
-
-
-def kv_pages(
-    config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[int, int]:
-    """(pages, bytes per page) of this rank's KV pool: ``--num-pages``, or free device memory
-    on CUDA / a fixed host budget on CPU over one page of a rank's KV heads (`page_kv_heads`:
-    the same count on every rank of a tensor-parallel replica)."""
-    heads = page_kv_heads(cfg, config.tensor_parallel_size)
-    # A page holds every layer, or on a hybrid model one KV group's share (`KVGroups`).
-    slots = KVGroups.for_layers(cfg.num_layers, cfg.layer_windows).slots
-    elements = cfg.kv_elements_per_token // cfg.num_kv_heads * heads * slots // cfg.num_layers
-    bytes_per_page = elements * config.page_size * torch.empty((), dtype=dtype).element_size()
-    if config.num_pages:
-        return config.num_pages, bytes_per_page
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * config.gpu_memory_utilization)
-    else:
-        budget = CPU_DEFAULT_KV_BYTES
-    return max(2, budget // bytes_per_page), bytes_per_page
-
-
-def rank_kv_config(
-    cfg: ModelConfig,
-    config: EngineConfig,
-    num_pages: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    **policy: Any,
-) -> KVConfig:
-    """The KV pool of ``cfg``'s heads (a rank's own under tensor parallelism); ``policy``:
-    rank 0's offload, prefix-cache and length settings (the other ranks only hold pages)."""
-    return KVConfig(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        num_pages=num_pages,
-        page_size=config.page_size,
-        dtype=dtype,
-        device=str(device),
-        layer_windows=cfg.layer_windows,
-        **policy,
-    )
-
-
-def attention_resource(
-    cache: KVCache, cfg: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> AttentionResource:
-    """Paged attention over ``cache`` for ``cfg``'s heads (a rank's own under tensor
-    parallelism); page 0 is the sink page (`PageArena`) on every rank."""
-    backends = [
-        select_attention_backend(
-            device, config.attention_backend, dtype, deterministic=config.deterministic
-        )
-        for _ in cache.groups.labels
-    ]
-    return AttentionResource(
-        cache,
-        backends[0],
-        num_qo_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        sink_page=SINK_PAGE,
-        sm_scale=cfg.attn_scale,
-        group_backends=backends[1:],
-        layer_windows=cfg.layer_windows,
-    )

@@ -20,17 +20,12 @@ import torch
 
 from mstar.engine.batch import DECODE_WALK
 from mstar.engine.config import EngineConfig
-from mstar.engine.engine import (
-    _pick_device,
-    _pick_dtype,
-    attention_resource,
-    kv_pages,
-    rank_kv_config,
-)
+from mstar.engine.engine import _pick_device, _pick_dtype
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.parallel.channel import StepChannel
 from mstar.engine.parallel.group import Layout, LocalWorkers, join_group, watch_parent
+from mstar.engine.rank_resources import attention_resource, kv_pages, rank_kv_config
 from mstar.engine.resource_keys import KV
 from mstar.engine.resources.kv.cache import KVCache
 from mstar.engine.resources.positions import PositionsResource
