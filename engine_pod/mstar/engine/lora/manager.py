@@ -24,9 +24,7 @@ class LoraManager:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.rows = LoraRows(decoder.device)
-        self.rows.kernels = (
-            decoder.cpu_kernels if hasattr(decoder.cpu_kernels, "lora_add_") else None
-        )
+        self.rows.kernels = decoder.cpu_kernels
         linears = decoder.linears
         previous = linears.picker
         decoder.linears.finalize(
