@@ -7,7 +7,6 @@ the real picker on the real control plane is tests/operator/test_lora_cluster.py
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
 from collections.abc import Iterator
@@ -309,15 +308,12 @@ def test_an_engine_that_does_not_answer_is_reported_not_raised() -> None:
 
 
 class FakeKube:
-    """get_cr / list_pods / patch_cr_status of `kube.Kube`, over one CR and its pods."""
+    """list_pods / patch_cr_status of `kube.Kube`, over one CR and its pods."""
 
     def __init__(self, cr: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         self.cr, self.pods = cr, pods
         self.patches: list[dict[str, Any]] = []
         self.selectors: list[str] = []
-
-    def get_cr(self, namespace: str, name: str) -> dict[str, Any]:
-        return copy.deepcopy(self.cr)
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         self.selectors.append(selector)
@@ -349,7 +345,7 @@ def test_status_names_the_pods_holding_each_adapter_and_warns_once_per_failure(
         pod("p3", "127.0.0.3", deleting=True),
     ]
     kube = FakeKube(doc, pods)
-    events = adapter_sync.sync_adapters(kube, "ns", NAME)  # type: ignore[arg-type]
+    events = adapter_sync.sync_adapters(kube, kube.cr)  # type: ignore[arg-type]
     assert kube.selectors == ["app.kubernetes.io/name=mstar-engine,mstar.dev/deployment=smollm2"]
     failure = "p1: load /a/big: 400: rank 64 exceeds --max-lora-rank 16"
     assert kube.patches == [
@@ -364,14 +360,14 @@ def test_status_names_the_pods_holding_each_adapter_and_warns_once_per_failure(
     assert ("Normal", "AdapterLoaded", "new (/a/new) on p1") in events
     assert events[-1] == ("Warning", "AdapterLoadFailed", f"big: {failure}")
     # The next pass: nothing changed, so no patch and no second warning.
-    assert adapter_sync.sync_adapters(kube, "ns", NAME) == []  # type: ignore[arg-type]
+    assert adapter_sync.sync_adapters(kube, kube.cr) == []  # type: ignore[arg-type]
     assert len(kube.patches) == 1
     # The list emptied: the adapter leaves the engine and the status.
     kube.cr["spec"]["adapters"] = []
-    events = adapter_sync.sync_adapters(kube, "ns", NAME)  # type: ignore[arg-type]
+    events = adapter_sync.sync_adapters(kube, kube.cr)  # type: ignore[arg-type]
     assert engine.held == {}
     assert kube.patches[-1] == {"adapters": []}
     assert ("Normal", "AdapterUnloaded", "new from p1") in events
     queries = engine.queries
-    assert adapter_sync.sync_adapters(kube, "ns", NAME) == []  # type: ignore[arg-type]
+    assert adapter_sync.sync_adapters(kube, kube.cr) == []  # type: ignore[arg-type]
     assert engine.queries == queries  # nothing to hold, nothing held: not even a query

@@ -2,13 +2,13 @@
 
 Why the operator and not the pod template (see adapters.py): adapters change far more often than
 engine settings, and a rollout of every replica to add one fine-tune is what a platform team
-cannot afford. So a per-CR daemon (handlers.py) compares each ready engine pod's `/v1/models`
-(adapters are the entries with a `parent`, their folder in `root`, vLLM's shape) with the desired
-list and calls the engine's `/v1/load_lora_adapter` / `/v1/unload_lora_adapter` for the
-difference; an adapter whose folder changed is unloaded and loaded again. The same pass serves new
-pods, restarted pods and live spec changes: it is level-based like `reconcile`. Where each adapter
-is loaded goes to `status.adapters`; a load that fails is a Warning event (once per new message)
-and the adapter's `message`, retried on the next pass.
+cannot afford. So a periodic pass over every CR (handlers.py) compares each ready engine pod's
+`/v1/models` (adapters are the entries with a `parent`, their folder in `root`, vLLM's shape)
+with the desired list and calls the engine's `/v1/load_lora_adapter` / `/v1/unload_lora_adapter`
+for the difference; an adapter whose folder changed is unloaded and loaded again. The same pass
+serves new pods, restarted pods and live spec changes: it is level-based like `reconcile`. Where
+each adapter is loaded goes to `status.adapters`; a load that fails is a Warning event (once per
+new message) and the adapter's `message`, retried on the next pass.
 """
 
 from __future__ import annotations
@@ -137,13 +137,12 @@ def adapter_status(desired: dict[str, str], results: list[PodResult]) -> list[di
     return out
 
 
-def sync_adapters(kube: Kube, namespace: str, name: str) -> list[Event]:
-    """One pass for one CR: load/unload on every ready engine pod, then write status.adapters.
-
-    Returns the events to post. A CR without adapters, now or in its status, costs nothing.
-    """
-    cr = kube.get_cr(namespace, name)
-    if cr is None or cr["metadata"].get("deletionTimestamp"):
+def sync_adapters(kube: Kube, cr: dict[str, Any]) -> list[Event]:
+    """One pass for one CR (as just listed): load/unload on every ready engine pod, then write
+    status.adapters. Returns the events to post. A CR without adapters, now or in its status,
+    costs nothing."""
+    namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+    if cr["metadata"].get("deletionTimestamp"):
         return []
     try:
         spec = parse_spec(cr.get("spec"))

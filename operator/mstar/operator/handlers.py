@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import kopf
@@ -54,32 +55,47 @@ async def configure(
     settings.watching.connect_timeout = 10
     settings.watching.server_timeout = 300
     memo.kube = Kube(load_api_client())
+    memo.tasks = []
     seconds = float(getattr(memo, "resync_seconds", DEFAULT_RESYNC_SECONDS) or 0)
     if seconds > 0:
-        memo.resync_task = asyncio.create_task(_resync_forever(memo, seconds, logger))
+        memo.tasks.append(asyncio.create_task(_every(seconds, _resync_one, memo, logger)))
+    seconds = float(getattr(memo, "adapter_sync_seconds", DEFAULT_ADAPTER_SYNC_SECONDS) or 0)
+    if seconds > 0:
+        memo.tasks.append(asyncio.create_task(_every(seconds, _sync_adapters_one, memo, logger)))
 
 
 @kopf.on.cleanup()
 async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-    task: asyncio.Task[None] | None = getattr(memo, "resync_task", None)
-    if task is not None:
+    for task in getattr(memo, "tasks", []):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
 
-async def _resync_forever(memo: Any, seconds: float, logger: Log) -> None:
-    """Reconcile every CR periodically: heals what no watched event announces (e.g. a foreign
-    object squatting on a child's name goes away), like controller-runtime's resync period."""
+PerCR = Callable[[Any, dict[str, Any], Log], None]
+
+
+async def _every(seconds: float, each: PerCR, memo: Any, logger: Log) -> None:
+    """Run `each` on every CR periodically, in a thread. The resync (reconcile) heals what no
+    watched event announces (e.g. a foreign object squatting on a child's name goes away),
+    like controller-runtime's resync period; the adapter sync is level-based the same way.
+    One loop for all CRs rather than a Kopf daemon per CR: daemons put a finalizer on every
+    CR, and a CR would then not go away while the operator is down."""
     while True:
         await asyncio.sleep(seconds)
         try:
-            await asyncio.to_thread(_resync_all, memo, logger)
-        except Exception:  # keep resyncing; a failed pass is retried next period
-            logger.exception("resync pass failed")
+            crs = await asyncio.to_thread(_list_crs, memo)
+        except Exception:  # keep going; the next period retries
+            logger.exception("listing MStarDeployments failed")
+            continue
+        for cr in crs:
+            try:
+                await asyncio.to_thread(each, memo, cr, logger)
+            except Exception:  # one CR's failure must not stop the others
+                logger.exception("%s of %s failed", each.__name__, cr["metadata"]["name"])
 
 
-def _resync_all(memo: Any, logger: Log) -> None:
+def _list_crs(memo: Any) -> list[dict[str, Any]]:
     kube: Kube = memo.kube
     namespaces: list[str] = list(getattr(memo, "namespaces", None) or [])
     listings: list[Any] = (
@@ -87,10 +103,17 @@ def _resync_all(memo: Any, logger: Log) -> None:
         if namespaces
         else [kube.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)]
     )
-    items = [dict(item) for listing in listings for item in listing["items"]]
-    for cr in items:
-        with contextlib.suppress(kopf.TemporaryError):  # in status already; next period retries
-            _run(memo, cr, logger)
+    return [dict(item) for listing in listings for item in listing["items"]]
+
+
+def _resync_one(memo: Any, cr: dict[str, Any], logger: Log) -> None:
+    with contextlib.suppress(kopf.TemporaryError):  # in status already; next period retries
+        _run(memo, cr, logger)
+
+
+def _sync_adapters_one(memo: Any, cr: dict[str, Any], logger: Log) -> None:
+    """Every ready engine pod of the CR holds exactly spec.adapters (adapter_sync.py)."""
+    _post(memo.kube, cr, sync_adapters(memo.kube, cr), logger)
 
 
 def _post(kube: Kube, body: dict[str, Any], events: list[Any], logger: Log) -> None:
@@ -116,25 +139,6 @@ def _run(memo: Any, body: dict[str, Any], logger: Log) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile_deployment(body: kopf.Body, memo: Any, logger: Log, **_: Any) -> None:
     _run(memo, dict(body), logger)
-
-
-@kopf.daemon(GROUP, VERSION, PLURAL, id="adapters", cancellation_timeout=5.0)
-async def sync_adapters_forever(
-    body: kopf.Body, memo: Any, logger: Log, stopped: kopf.DaemonStopped, **_: Any
-) -> None:
-    """Per CR, while it exists: every ready engine pod holds exactly spec.adapters
-    (adapter_sync.py), checked every --adapter-sync-seconds."""
-    seconds = float(getattr(memo, "adapter_sync_seconds", DEFAULT_ADAPTER_SYNC_SECONDS))
-    meta = dict(body["metadata"])
-    while not stopped:
-        try:
-            events = await asyncio.to_thread(
-                sync_adapters, memo.kube, meta["namespace"], meta["name"]
-            )
-            _post(memo.kube, dict(body), events, logger)
-        except Exception:  # the next pass retries; a daemon that died would never sync again
-            logger.exception("adapter sync failed")
-        await asyncio.sleep(seconds)
 
 
 def _on_child(body: kopf.Body, memo: Any, logger: Log) -> None:
