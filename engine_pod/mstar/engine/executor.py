@@ -53,7 +53,10 @@ class LocalExecutor:
     """One rank: the model runner itself."""
 
     def __init__(self, model_runner: ModelRunner) -> None:
-        self.execute = model_runner.execute
+        self.model_runner = model_runner
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        return self.model_runner.execute(batch)
 
     def failure(self) -> str | None:
         return None
