@@ -102,9 +102,24 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+class RankLayoutError(ValueError):
+    """This pod cannot hold its share of the ranks (the message names the flags)."""
+
+
+def check_devices(layout: Layout, device: torch.device) -> None:
+    """On CUDA, one GPU per rank of this pod."""
+    have = torch.cuda.device_count() if device.type == "cuda" else layout.per_node
+    if have < layout.per_node:
+        raise RankLayoutError(
+            f"--tensor-parallel-size {layout.size} over --nnodes {layout.nnodes} runs "
+            f"{layout.per_node} ranks per pod, one GPU each, but this pod has {have}"
+        )
+
+
 def join_group(rank: int, layout: Layout, address: str, device: torch.device) -> RankGroup:
     """Join the replica's groups as ``rank`` (blocks until every rank has joined), after
     pointing this process at its GPU, or at its share of the CPU's cores."""
+    check_devices(layout, device)
     if device.type == "cuda":
         torch.cuda.set_device(layout.device_index(rank))
     else:
@@ -207,6 +222,7 @@ def start_leader(config: EngineConfig, device: torch.device) -> LeaderRanks:
     """Start this node's other ranks and join the replica as rank 0 (blocks until all ranks
     have joined, across nodes too)."""
     layout = Layout.of(config)
+    check_devices(layout, device)  # before starting any process
     address = meeting_address(config)
     workers = None
     if layout.per_node > 1:
