@@ -28,7 +28,7 @@ from mstar.engine.parallel.group import LeaderRanks
 log = logging.getLogger(__name__)
 
 #: how long a failed step waits to see which worker exited (for the error message)
-EXIT_GRACE_SECONDS = 1.0
+EXIT_GRACE_SECONDS = 2.0
 
 
 class RankFailure(RuntimeError):

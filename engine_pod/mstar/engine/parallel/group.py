@@ -161,19 +161,24 @@ class LocalWorkers:
         self._thread.start()
 
     def _watch(self) -> None:
-        while not self._closing and self.failure is None:
+        while not self._closing and self._check() is None:
+            time.sleep(POLL_SECONDS)
+
+    def _check(self) -> str | None:
+        """The failure: the first worker seen to have exited (None while all run)."""
+        if self.failure is None and not self._closing:
             for rank, proc in self.procs.items():
                 code = proc.poll()
-                if code is not None and not self._closing:
+                if code is not None:
                     self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) exited ({code})"
                     log.error("%s: this replica is down", self.failure)
                     break
-            time.sleep(POLL_SECONDS)
+        return self.failure
 
     def wait_failure(self, seconds: float) -> str | None:
         """The failure, waiting up to ``seconds`` for a dying worker's exit to be seen."""
         deadline = time.monotonic() + seconds
-        while self.failure is None and time.monotonic() < deadline:
+        while self._check() is None and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS / 4)
         return self.failure
 
