@@ -78,7 +78,9 @@ def one_rank_texts(model: Path, prompts: list[list[int]], **settings: Any) -> li
     return [engine.tokenizer.decode(ids).strip() for ids in engine.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("model", ["smollm2", "qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    "model", [pytest.param("smollm2", marks=pytest.mark.slow), "qwen3", "gemma3"]
+)
 def test_the_server_with_two_ranks_answers_what_one_rank_does(
     model: str, tmp_path: Path, procs: list[Proc]
 ) -> None:
