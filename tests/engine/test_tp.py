@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from greedy_compare import assert_close_until_near_tie, drive
 from live_server import make_engine
 from models import build_tiny_model, smollm2_prompts
@@ -23,6 +24,7 @@ from mstar.engine.engine import LLMEngine
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.tp import TPShard, page_kv_heads
+from mstar.engine.parallel.group import Layout, RankLayoutError, check_devices
 from mstar.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -128,3 +130,12 @@ def test_what_cannot_be_split_is_refused_by_name(family_dirs: dict[str, Path]) -
     with pytest.raises(ModelLoadError, match="MoE experts are not sharded"):
         make_engine(moe, tensor_parallel_size=2)
     assert children() <= before
+
+
+def test_a_pod_with_fewer_gpus_than_its_ranks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked before any rank starts (`start_leader`, `serve_node`); one GPU seen here."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RankLayoutError, match="--nnodes 2 runs 2 ranks per pod, one GPU each"):
+        check_devices(Layout(4, 2, 1), torch.device("cuda"))
+    check_devices(Layout(2, 2, 1), torch.device("cuda"))  # one rank per pod fits
+    check_devices(Layout(4, 1, 0), torch.device("cpu"))  # CPU ranks share the cores

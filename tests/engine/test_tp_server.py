@@ -78,7 +78,9 @@ def one_rank_texts(model: Path, prompts: list[list[int]], **settings: Any) -> li
     return [engine.tokenizer.decode(ids).strip() for ids in engine.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("model", ["smollm2", "qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    "model", [pytest.param("smollm2", marks=pytest.mark.slow), "qwen3", "gemma3"]
+)
 def test_the_server_with_two_ranks_answers_what_one_rank_does(
     model: str, tmp_path: Path, procs: list[Proc]
 ) -> None:
@@ -112,12 +114,16 @@ def test_a_rank_killed_mid_stream_fails_its_requests_and_the_server_exits(
         code = p.proc.wait(30)
         exited = time.monotonic() - killed_at
         account = traffic.stop()
+    log = p.log_path.read_text()
     account.check()  # none lost, none hanging
-    assert code == 1, p.log_path.read_text()
-    assert exited < 10.0
+    assert code == 1, log
+    assert exited < 10.0, (exited, log)
     hit = [o for o in account.in_flight_at(killed_at) if o.kind != "finished"]
-    assert hit and {o.detail for o in hit} <= {"error event: engine failure", "503"}, account
-    assert "tensor-parallel rank 1" in p.log_path.read_text()
+    # Streaming: an error event and [DONE]; accepted but no event sent yet (its prefill not
+    # scheduled on this loaded machine): the error as a 500 JSON body; not yet taken: 503.
+    ended = {"error event: engine failure", "500", "503"}
+    assert hit and {o.detail for o in hit} <= ended, account
+    assert "engine failure: tensor-parallel rank 1" in log, log
 
 
 def test_a_rank_dead_while_idle_turns_health_red(

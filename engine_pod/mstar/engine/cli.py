@@ -69,12 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     if (config.node_rank or 0) > 0:
         # A worker pod of a multi-node replica: its ranks run steps; the leader serves HTTP.
+        from mstar.engine.parallel.group import RankLayoutError
         from mstar.engine.parallel.worker import serve_node
 
-        return serve_node(config)
+        try:
+            return serve_node(config)
+        except RankLayoutError as exc:
+            print(f"mstar-engine: error: {exc}", file=sys.stderr)
+            return 2
     # Heavy imports (torch, the model) only once the flags are known to be good.
     from mstar.engine.engine import LLMEngine
     from mstar.engine.model.config import ModelLoadError
+    from mstar.engine.parallel.group import RankLayoutError
     from mstar.engine.server.app import build_app, serve
     from mstar.engine.server.async_engine import EngineThread
     from mstar.kernels import BackendUnavailable
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as exc:
         print(f"mstar-engine: error: cannot load the model: {exc}", file=sys.stderr)
         return 2
-    except BackendUnavailable as exc:
+    except (BackendUnavailable, RankLayoutError) as exc:
         print(f"mstar-engine: error: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

@@ -28,7 +28,7 @@ from mstar.engine.parallel.group import LeaderRanks
 log = logging.getLogger(__name__)
 
 #: how long a failed step waits to see which worker exited (for the error message)
-EXIT_GRACE_SECONDS = 1.0
+EXIT_GRACE_SECONDS = 2.0
 
 
 class RankFailure(RuntimeError):
@@ -53,7 +53,10 @@ class LocalExecutor:
     """One rank: the model runner itself."""
 
     def __init__(self, model_runner: ModelRunner) -> None:
-        self.execute = model_runner.execute
+        self.model_runner = model_runner
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        return self.model_runner.execute(batch)
 
     def failure(self) -> str | None:
         return None

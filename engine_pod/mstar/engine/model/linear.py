@@ -7,11 +7,10 @@ parallelism would split it) and never names a class. The loader then fills it th
 `finalize_linears` lets the method swap the module for its runtime form. Today's method
 (`DenseLinearMethod`) builds ``nn.Linear`` and finalises to oneDNN/kernel-packed
 `PackedLinear`; `gguf_linear.GGUFLinearMethod` keeps a GGUF file's quantized blocks
-(`QuantLinear`). Planned methods plug in here, without touching a family:
-
-- LoRA: a method wrapping another method's finalised module;
-- tensor parallelism: ``spec.parallel`` says "column" (output rows split) or "row"
-  (input columns split, output reduced) for the method to shard at ``load``.
+(`QuantLinear`); `tp.TPLinearMethod` wraps either for one tensor-parallel rank,
+sharding at ``load`` by ``spec.parallel``: "column" (output rows split) or "row" (input
+columns split, output all-reduced). Planned: LoRA, a method wrapping another method's
+finalised module, plugs in the same way, without touching a family.
 """
 
 from __future__ import annotations

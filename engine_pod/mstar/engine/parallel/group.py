@@ -102,9 +102,24 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+class RankLayoutError(ValueError):
+    """This pod cannot hold its share of the ranks (the message names the flags)."""
+
+
+def check_devices(layout: Layout, device: torch.device) -> None:
+    """On CUDA, one GPU per rank of this pod."""
+    have = torch.cuda.device_count() if device.type == "cuda" else layout.per_node
+    if have < layout.per_node:
+        raise RankLayoutError(
+            f"--tensor-parallel-size {layout.size} over --nnodes {layout.nnodes} runs "
+            f"{layout.per_node} ranks per pod, one GPU each, but this pod has {have}"
+        )
+
+
 def join_group(rank: int, layout: Layout, address: str, device: torch.device) -> RankGroup:
     """Join the replica's groups as ``rank`` (blocks until every rank has joined), after
     pointing this process at its GPU, or at its share of the CPU's cores."""
+    check_devices(layout, device)
     if device.type == "cuda":
         torch.cuda.set_device(layout.device_index(rank))
     else:
@@ -146,19 +161,24 @@ class LocalWorkers:
         self._thread.start()
 
     def _watch(self) -> None:
-        while not self._closing and self.failure is None:
+        while not self._closing and self._check() is None:
+            time.sleep(POLL_SECONDS)
+
+    def _check(self) -> str | None:
+        """The failure: the first worker seen to have exited (None while all run)."""
+        if self.failure is None and not self._closing:
             for rank, proc in self.procs.items():
                 code = proc.poll()
-                if code is not None and not self._closing:
+                if code is not None:
                     self.failure = f"tensor-parallel rank {rank} (pid {proc.pid}) exited ({code})"
                     log.error("%s: this replica is down", self.failure)
                     break
-            time.sleep(POLL_SECONDS)
+        return self.failure
 
     def wait_failure(self, seconds: float) -> str | None:
         """The failure, waiting up to ``seconds`` for a dying worker's exit to be seen."""
         deadline = time.monotonic() + seconds
-        while self.failure is None and time.monotonic() < deadline:
+        while self._check() is None and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS / 4)
         return self.failure
 
@@ -207,6 +227,7 @@ def start_leader(config: EngineConfig, device: torch.device) -> LeaderRanks:
     """Start this node's other ranks and join the replica as rank 0 (blocks until all ranks
     have joined, across nodes too)."""
     layout = Layout.of(config)
+    check_devices(layout, device)  # before starting any process
     address = meeting_address(config)
     workers = None
     if layout.per_node > 1:

@@ -24,7 +24,13 @@ from mstar.engine.engine import _pick_device, _pick_dtype
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.parallel.channel import StepChannel
-from mstar.engine.parallel.group import Layout, LocalWorkers, join_group, watch_parent
+from mstar.engine.parallel.group import (
+    Layout,
+    LocalWorkers,
+    check_devices,
+    join_group,
+    watch_parent,
+)
 from mstar.engine.rank_resources import attention_resource, kv_pages, rank_kv_config
 from mstar.engine.resource_keys import KV
 from mstar.engine.resources.kv.cache import KVCache
@@ -76,6 +82,7 @@ def serve_node(config: EngineConfig) -> int:
     first one here; the pod's exit status is this rank's."""
     layout = Layout.of(config)
     assert config.dist_init_addr is not None  # validated with --nnodes above 1
+    check_devices(layout, _pick_device(config.device))  # before starting any process
     first = layout.first_rank
     workers = None
     if layout.per_node > 1:

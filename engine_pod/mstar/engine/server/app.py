@@ -273,9 +273,9 @@ WATCHDOG: web.AppKey[asyncio.Task[None]] = web.AppKey("mstar_watchdog", asyncio.
 
 
 async def watch_engine(engine: AsyncEngine) -> None:
-    """Declare a hung engine (or one whose thread is gone) dead: its requests end with the
-    reason at once, rather than whenever a kubelet gets round to restarting the pod. Cancelled
-    before a normal shutdown stops the engine."""
+    """Declare a hung engine (or one whose thread is gone, or whose tensor-parallel rank died:
+    `LLMEngine.failure`) dead: its requests end with the reason at once, rather than whenever a
+    kubelet gets round to restarting the pod. Cancelled before a normal shutdown stops it."""
     while engine.error is None:
         await asyncio.sleep(WATCHDOG_SECONDS)
         reason = engine.liveness.stall() if engine.alive else "the engine thread is gone"
