@@ -458,6 +458,7 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(quant_vnni);
   MSTAR_DEF(quant_linear);
   MSTAR_DEF(quant_dequantize_);
+  MSTAR_DEF(quant_decode_layers);
   MSTAR_DEF(moe_experts);
 #undef MSTAR_DEF
 }
