@@ -11,11 +11,11 @@ import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from external_tools import require_tool
+from fused_compare import compare_fused_steps
 from test_model_gguf_convert import write_tiny_gguf
 from test_quant_serving import QTYPES
 
@@ -73,24 +73,7 @@ def test_quant_fused_decode_gives_the_layer_by_layer_bits(
     assert isinstance(bundle, QuantDecodeWeights)
     concat = isinstance(decoder.layers[0].qkv_proj, ConcatQuantLinear)
     assert concat == (family == "qwen2") and (max(bundle.parts) > 1) == concat
-    forward = decoder.forward
-    fused_rows: list[int] = []
-
-    def both_ways(ids: torch.Tensor, positions: torch.Tensor, attn: Any, rows: torch.Tensor):
-        """The step fused where it may be, then again layer by layer (the same K/V written to
-        the same slots twice leaves the cache as one write does)."""
-        fused = decoder._fused_layers(attn, ids.shape[0]) is not None
-        logits = forward(ids, positions, attn, rows)
-        if fused:
-            fused_rows.append(ids.shape[0])
-            decoder.fused_decode = None
-            try:
-                assert torch.equal(logits, forward(ids, positions, attn, rows))
-            finally:
-                decoder.fused_decode = bundle
-        return logits
-
-    decoder.forward = both_ways  # type: ignore[method-assign]
+    fused_rows = compare_fused_steps(decoder)
     rng = random.Random(0)
     vocab = decoder.config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice([1, 5, 9]))] for _ in range(6)]

@@ -85,8 +85,7 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
         taken += 1
     assert taken == cfg.num_layers * 4 + 1
     saved = sum(
-        _bytes(dense.get_submodule(n)) - _bytes(quant.get_submodule(n))
-        for n in quant.linears.specs
+        _bytes(dense.get_submodule(n)) - _bytes(quant.get_submodule(n)) for n in quant.linears.specs
     )
     assert saved > 0 and _bytes(quant) == _bytes(dense) - saved
 

@@ -74,14 +74,14 @@ class FusedDecode(Protocol):
     """Every layer's weights for one C++ decode call: `FusedDecodeWeights` (packed float) or
     `gguf_linear.QuantDecodeWeights` (GGUF blocks as stored)."""
 
-    #: the most rows a step may have (past it, a projection's GEMM is another kernel)
-    max_rows: int
+    @property
+    def max_rows(self) -> int:
+        """The most rows a step may have (past it, a projection's GEMM is another kernel)."""
+        ...
 
-    def run(
-        self, kernels: Any, h: torch.Tensor, residual: torch.Tensor, cache: torch.Tensor,
-        cos_sin: CosSin, step: KernelDecodeStep, cfg: ModelConfig, eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(the last layer's MLP output, residual) from layer 0's normed input ``h``."""
+    def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
+        """(the `cpu_kernels` function, the weights it takes after h and residual); the
+        cache, RoPE tables, step and shapes follow them, the same for every bundle."""
         ...
 
 
@@ -124,16 +124,9 @@ class FusedDecodeWeights:
             max_rows=max_rows,
         )
 
-    def run(
-        self, kernels: Any, h: torch.Tensor, residual: torch.Tensor, cache: torch.Tensor,
-        cos_sin: CosSin, step: KernelDecodeStep, cfg: ModelConfig, eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        out, residual = kernels.decode_layers(
-            h, residual, self.norm_in, self.norm_post, self.qkv, self.o, self.gate_up,
-            self.down, self.biases, cache, *cos_sin, step.page_table, step.kv_lens, step.slots,
-            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, step.scale, eps,
-        )  # fmt: skip
-        return out, residual
+    def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
+        weights = (self.norm_in, self.norm_post, self.qkv, self.o, self.gate_up, self.down)
+        return "decode_layers", (*weights, self.biases)
 
 
 class Decoder(nn.Module):
@@ -316,4 +309,9 @@ class Decoder(nn.Module):
         assert weights is not None and kernels is not None
         first: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
         h, residual = first.add_forward(hidden, residual, kernels)
-        return weights.run(kernels, h, residual, cache, cos_sin, step, cfg, first.eps)
+        name, args = weights.kernel_call()
+        out, residual = getattr(kernels, name)(
+            h, residual, *args, cache, *cos_sin, step.page_table, step.kv_lens, step.slots,
+            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, step.scale, first.eps,
+        )  # fmt: skip
+        return out, residual

@@ -26,9 +26,8 @@ from torch import nn
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.family import NameMap
 from mstar.engine.model.gguf_quant import StoredTensor, read_stored
-from mstar.engine.model.layers import PROJECTIONS, CosSin
+from mstar.engine.model.layers import PROJECTIONS
 from mstar.engine.model.linear import LinearSpec, ShapeMismatch, copy_rows
-from mstar.kernels.paged_attention import KernelDecodeStep
 from mstar.kernels.quant_linear import QuantLinear, row_bytes, served
 
 
@@ -178,8 +177,9 @@ class QuantDecodeWeights:
             dtype = layer.input_layernorm.weight.dtype
             for name in PROJECTIONS:
                 linear = getattr(layer, name)
-                parts = list(linear.parts) if isinstance(linear, ConcatQuantLinear) else [linear]
-                if not all(isinstance(p, QuantLinear) for p in parts):
+                held = list(linear.parts) if isinstance(linear, ConcatQuantLinear) else [linear]
+                parts = [p for p in held if isinstance(p, QuantLinear)]
+                if len(parts) != len(held):
                     return None
                 blocks += [p.blocks for p in parts]
                 types += [p.qtype for p in parts]
@@ -197,13 +197,6 @@ class QuantDecodeWeights:
             max_rows=max_rows,
         )
 
-    def run(
-        self, kernels: Any, h: torch.Tensor, residual: torch.Tensor, cache: torch.Tensor,
-        cos_sin: CosSin, step: KernelDecodeStep, cfg: ModelConfig, eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        out, residual = kernels.quant_decode_layers(
-            h, residual, self.norm_in, self.norm_post, self.blocks, self.types, self.parts,
-            self.biases, cache, *cos_sin, step.page_table, step.kv_lens, step.slots,
-            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, step.scale, eps,
-        )  # fmt: skip
-        return out, residual
+    def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
+        weights = (self.norm_in, self.norm_post, self.blocks, self.types, self.parts)
+        return "quant_decode_layers", (*weights, self.biases)

@@ -56,8 +56,8 @@ void quant_dequantize_(torch::Tensor blocks, int64_t type, torch::Tensor out) {
   });
 }
 
-// Every decoder layer of a decode step in one call, as `decode_layers` runs them (the same
-// glue kernels in the same order), each projection's weight the GGUF blocks as stored: x's
+// Every decoder layer of a decode step in one call, as `decode_layers` runs them
+// (`run_decode_layers`: the same glue kernels in the same order), each projection's weight the GGUF blocks as stored: x's
 // rows are quantized once per projection input and shared by its parts (Q, K, V; gate, up),
 // which may differ in type; every output is `quant_linear`'s for its part, so the step gives
 // the layer-by-layer path's bits. blocks / types: every part's uint8 [n, row bytes] and ggml
@@ -85,7 +85,6 @@ std::vector<torch::Tensor> quant_decode_layers(
               ": h / residual float32 or bfloat16 [T, H]");
   const int64_t t = h.size(0), hidden = h.size(1), dim = cache.size(5);
   const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
-  const int64_t qk_heads = num_heads + num_kv_heads;
   // per projection: inputs, outputs, its parts (checked before the residual is touched)
   const int64_t ks[4] = {hidden, q_size, hidden, inter};
   const int64_t ns[4] = {q_size + 2 * kv_size, hidden, 2 * inter, hidden};
@@ -126,21 +125,7 @@ std::vector<torch::Tensor> quant_decode_layers(
     });
     return out;
   };
-  torch::Tensor x = h;
-  for (int64_t i = 0; i < layers; ++i) {
-    if (i > 0) add_rms_norm_(x, residual, norm_in[i], eps);
-    const auto fused = proj(x, 4 * i);
-    const auto qk = fused.narrow(1, 0, q_size + kv_size).view({t, qk_heads, dim});
-    rope_(qk, cos, sin);
-    const auto kv_layer = cache.select(0, i);
-    write_kv(kv_layer, qk.narrow(1, num_heads, num_kv_heads),
-             fused.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim}), slots);
-    const auto attn = paged_decode(qk.narrow(1, 0, num_heads), kv_layer, page_table, kv_lens,
-                                   scale, 0);
-    x = proj(attn.view({t, q_size}), 4 * i + 1);
-    add_rms_norm_(x, residual, norm_post[i], eps);
-    const auto act = silu_mul(proj(x, 4 * i + 2));
-    x = proj(act, 4 * i + 3);
-  }
-  return {x, residual};
+  return run_decode_layers(h, residual, norm_in, norm_post, cache, cos, sin, page_table,
+                           kv_lens, slots, num_heads, num_kv_heads, scale, eps,
+                           [&](const torch::Tensor& x, int64_t i, int64_t j) { return proj(x, 4 * i + j); });
 }
