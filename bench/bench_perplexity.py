@@ -2,7 +2,7 @@
 ``llama-perplexity``, on the same GGUF file and the same windows.
 
 Text: two sections ("execmodel", "import") of the Python Language Reference as Python 3.11.7
-ships them (``pydoc_data.topics``, PSF license): about 4,400 SmolLM2 tokens of English prose
+ships them (``pydoc_data.topics``, PSF license): 4,266 SmolLM2 tokens of English prose
 with some grammar, written after the model's data was gathered; its sha256 is checked so
 every run scores the same text.
 

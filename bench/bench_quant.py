@@ -8,7 +8,14 @@ whole step's linears (a sum-of-layers decode estimate: attention and the glue ex
 row sweep that sets `quant_linear.DEQUANT_MIN_ROWS` (and its AVX2 twin), and, given
 llama.cpp's folder, its ``llama-bench`` tg on the same file, run right after.
 
+``--decode`` measures whole decode steps instead: per GGUF file (the packaged Q4_1 and its
+``llama-quantize --allow-requantize`` copies, ``--requantize Q8_0 ...``), mstar's offline
+batch-1 tg (`bench_all.mstar_batch1`: the engine on the ``.gguf``, bf16 activations, the
+fused quantized decode) and ``llama-bench -p 0 -n N -t <threads>`` back to back, each round
+both, best of ``--repeat``.
+
     python bench/bench_quant.py [--repeat 5] [--llama-bench DIR]
+    python bench/bench_quant.py --decode --llama-bench DIR [--requantize Q8_0] [--new 128]
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +39,9 @@ from mstar.engine.model.gguf_quant import read_stored
 from mstar.kernels import cpu_kernels, quant_linear
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.quant_linear import SERVED, QuantLinear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_all import mstar_batch1  # bench/ is a folder of scripts, not a package
 
 LAYERS = 30
 #: SmolLM2-135M's projections: name -> (out_features, in_features)
@@ -196,11 +207,55 @@ def llama_bench(folder: str, path: Path, repeat: int) -> None:
         )
 
 
+def requantized(src: Path, qtype: str, folder: str) -> Path:
+    """``src`` requantized to ``qtype`` by llama-quantize (made once, cached beside the
+    benchmarks' other copies)."""
+    from mstar.engine.model.gguf_convert import default_cache_root
+
+    out = default_cache_root() / "bench" / f"{src.stem}-{qtype}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_suffix(".partial")
+        cmd = [str(Path(folder) / "llama-quantize"), "--allow-requantize", str(src), str(part)]
+        subprocess.run([*cmd, qtype], check=True, capture_output=True)
+        part.rename(out)
+    return out
+
+
+def llama_tg(folder: str, path: Path, new: int) -> float:
+    """``llama-bench`` tg tok/s on ``path``: the best of its 3 repetitions."""
+    cmd = [str(Path(folder) / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(new)]
+    cmd += ["-t", str(torch.get_num_threads()), "-r", "3", "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return max(max(row["samples_ts"]) for row in json.loads(out))
+
+
+def decode_table(files: list[Path], folder: str, new: int, repeat: int) -> None:
+    print(f"\n| file | mstar tg{new} tok/s | llama-bench tg{new} tok/s | mstar / llama.cpp |")
+    print("|---|---:|---:|---:|")
+    for path in files:
+        ours, theirs = 0.0, 0.0
+        for _ in range(repeat):  # back to back, each round both
+            ours = max(ours, mstar_batch1(str(path), "bfloat16", new, 1)["tg"])
+            theirs = max(theirs, llama_tg(folder, path, new))
+        print(f"| {path.name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--llama-bench", metavar="DIR", help="llama.cpp's bin folder")
+    parser.add_argument("--decode", action="store_true", help="whole batch-1 decode steps")
+    parser.add_argument("--requantize", nargs="*", default=[], metavar="TYPE")
+    parser.add_argument("--new", type=int, default=128, help="decoded tokens (--decode)")
     args = parser.parse_args()
+    if args.decode:
+        src = model_file()
+        assert src is not None and args.llama_bench, "--decode needs the file and llama.cpp"
+        files = [src] + [requantized(src, q, args.llama_bench) for q in args.requantize]
+        print(f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
+        decode_table(files, args.llama_bench, args.new, args.repeat)
+        return
     kernels = cpu_kernels.load()
     assert kernels is not None, "the CPU kernels did not load"
     print(

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from external_tools import require_tool
+from fused_compare import compare_fused_steps
 from models import TINY_VOCAB
 
 from mstar.engine.config import EngineConfig
@@ -66,25 +67,7 @@ def test_fused_decode_layers_give_the_layer_by_layer_bits(
     engine = _engine(folder, dtype)
     decoder = engine.model_runner.decoder
     assert decoder.cpu_kernels is not None and decoder.cpu_kernels.isa_level() == level
-    forward = decoder.forward
-    fused_rows: list[int] = []
-
-    def both_ways(ids: torch.Tensor, positions: torch.Tensor, attn: Any, rows: torch.Tensor):
-        """The step fused where it may be, then again layer by layer: writing the same K/V
-        to the same slots twice leaves the cache as one write does."""
-        fused = decoder._fused_layers(attn, ids.shape[0]) is not None
-        logits = forward(ids, positions, attn, rows)
-        if fused:
-            fused_rows.append(ids.shape[0])
-            bundle = decoder.fused_decode
-            decoder.fused_decode = None
-            try:
-                assert torch.equal(logits, forward(ids, positions, attn, rows))
-            finally:
-                decoder.fused_decode = bundle
-        return logits
-
-    decoder.forward = both_ways  # type: ignore[method-assign]
+    fused_rows = compare_fused_steps(decoder)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     # one sequence, then a batch of mixed lengths (prompt chunks beside decode rows: unfused)
     outs = engine.generate(_prompts(1), params) + engine.generate(_prompts(9), params)

@@ -71,12 +71,19 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, str] | None = None):
+def write_tiny_gguf(
+    path: Path,
+    family: str,
+    seed: int = 0,
+    qtypes: dict[str, str] | None = None,
+    hidden: int = 32,
+):
     """A tiny random model as transformers module + the same weights in a GGUF file;
     ``qtypes``: GGUF tensor name suffix (``attn_q.weight``, ``output.weight``) -> the ggml
-    type it is quantized to (the module keeps the float weights). MoE families ("qwen3moe",
-    "mixtral": a ``llama`` file with experts) as llama.cpp's converter writes them: routers
-    ``ffn_gate_inp``, experts stacked in ``ffn_{gate,up,down}_exps``."""
+    type it is quantized to (the module keeps the float weights); ``hidden``: 4 heads of
+    ``hidden / 4`` (64: the C++ decode kernels' smallest head dim, 16). MoE families
+    ("qwen3moe", "mixtral": a ``llama`` file with experts) as llama.cpp's converter writes them:
+    routers ``ffn_gate_inp``, experts stacked in ``ffn_{gate,up,down}_exps``."""
     qtypes = qtypes or {}
 
     def add(name: str, arr: np.ndarray) -> None:
@@ -95,7 +102,7 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0, qtypes: dict[str, st
     merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
     tokens = sorted(vocab, key=vocab.get)
     n_vocab = len(tokens)
-    heads, kv_heads, hidden = 4, 2, 32
+    heads, kv_heads = 4, 2
     common = dict(
         vocab_size=n_vocab,
         hidden_size=hidden,

@@ -5,8 +5,9 @@ every scheduled sequence concatenated (prefill chunks and decode tokens mixed), 
 positions, an ``AttentionContext`` that owns the paged KV cache for this step, and the rows whose
 logits the sampler needs. Its layers (`layers.DecoderLayer`) mirror transformers' models of
 every registered family, so greedy decoding is token-identical in float32. A decode step runs
-every layer in one `cpu_kernels.decode_layers` call where the family's layer shape is the one
-that kernel implements (`fused_decode_refusal` names what is not).
+every layer in one `cpu_kernels.decode_layers` call (or `quant_decode_layers`, over GGUF blocks
+as stored) where the family's layer shape is the one that kernel implements
+(`fused_decode_refusal` names what is not).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from mstar.engine.model.config import ModelConfig, Rope
+from mstar.engine.model.gguf_linear import QuantDecodeWeights
 from mstar.engine.model.layers import (
     PROJECTIONS,
     AttentionContext,
@@ -34,7 +36,14 @@ from mstar.kernels.paged_attention import KernelDecodeStep
 if TYPE_CHECKING:
     from mstar.engine.lora.layer import LoraRows
 
-__all__ = ["AttentionContext", "Decoder", "FusedDecodeWeights", "RMSNorm", "fused_decode_refusal"]
+__all__ = [
+    "AttentionContext",
+    "Decoder",
+    "FusedDecode",
+    "FusedDecodeWeights",
+    "RMSNorm",
+    "fused_decode_refusal",
+]
 
 
 def fused_decode_refusal(cfg: ModelConfig, family_supports: bool = True) -> str | None:
@@ -62,6 +71,21 @@ class KernelDecodeContext(Protocol):
     def kernel_decode(self) -> tuple[KernelDecodeStep, torch.Tensor] | None:
         """(the step, the whole cache [layers, pages, 2, S, Hkv, D]) when every row decodes
         one token on the C++ kernels and the cache is contiguous; None otherwise."""
+        ...
+
+
+class FusedDecode(Protocol):
+    """Every layer's weights for one C++ decode call: `FusedDecodeWeights` (packed float) or
+    `gguf_linear.QuantDecodeWeights` (GGUF blocks as stored)."""
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a step may have (past it, a projection's GEMM is another kernel)."""
+        ...
+
+    def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
+        """(the `cpu_kernels` function, the weights it takes after h and residual); the
+        cache, RoPE tables, step and shapes follow them, the same for every bundle."""
         ...
 
 
@@ -103,6 +127,10 @@ class FusedDecodeWeights:
             biases=biases,
             max_rows=max_rows,
         )
+
+    def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
+        weights = (self.norm_in, self.norm_post, self.qkv, self.o, self.gate_up, self.down)
+        return "decode_layers", (*weights, self.biases)
 
 
 class Decoder(nn.Module):
@@ -156,7 +184,7 @@ class Decoder(nn.Module):
         self.deterministic = False
         #: every layer's weights for `cpu_kernels.decode_layers` (`finalize_linears` gathers
         #: them where the layers allow it), or None: decode steps go layer by layer
-        self.fused_decode: FusedDecodeWeights | None = None
+        self.fused_decode: FusedDecode | None = None
         #: the step's rows -> LoRA adapter slots when adapters are served (`lora.LoraManager`)
         self.lora_rows: LoraRows | None = None
         #: Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype first
@@ -177,7 +205,10 @@ class Decoder(nn.Module):
         """Swap every projection for its method's runtime module (after loading); ``fused``:
         gather `decode_layers`' weights where every layer's projections allow it."""
         self.linears.finalize(self, picker)
-        self.fused_decode = FusedDecodeWeights.gather(self.layers) if fused else None
+        self.fused_decode = None
+        if fused:  # packed float weights, else GGUF blocks as stored
+            gathered = FusedDecodeWeights.gather(self.layers)
+            self.fused_decode = gathered or QuantDecodeWeights.gather(self.layers)
 
     def _materialize(self, device: torch.device) -> None:
         """Swap meta parameters for empty real ones (Module.to_empty imports ~500 modules)."""
@@ -286,10 +317,9 @@ class Decoder(nn.Module):
         assert weights is not None and kernels is not None
         first: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
         h, residual = first.add_forward(hidden, residual, kernels)
-        out, residual = kernels.decode_layers(
-            h, residual, weights.norm_in, weights.norm_post, weights.qkv, weights.o,
-            weights.gate_up, weights.down, weights.biases, cache, *cos_sin,
-            step.page_table, step.kv_lens, step.slots, cfg.num_heads, cfg.num_kv_heads,
-            cfg.intermediate_size, step.scale, first.eps,
+        name, args = weights.kernel_call()
+        out, residual = getattr(kernels, name)(
+            h, residual, *args, cache, *cos_sin, step.page_table, step.kv_lens, step.slots,
+            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, step.scale, first.eps,
         )  # fmt: skip
         return out, residual

@@ -2,18 +2,20 @@
 
 `GGUFWeights` reads a GGUF file's tensors as stored (`gguf_quant.read_stored`) and picks, per
 projection, `GGUFLinearMethod` where every checkpoint tensor fused into it is a type
-`QuantLinear` serves and its rows are whole blocks (a tied LM head: the token embedding's
-blocks, as llama.cpp multiplies by them; the lookup keeps the float embedding); anything else
-(F32/F16 tensors, a type not served) stays with the dense method. The
-quantized module holds only the bias until `finalize` copies the raw blocks out of the file:
-one `QuantLinear` when the parts share a type, else one per part with their outputs
-concatenated (a Q4_K_M file mixes Q4_K q/k with Q6_K v). The float tensors the loader hands
-`load` are only checked against the spec, never kept: the resident size is the file's.
+`QuantLinear` serves and its rows are whole blocks; anything else (F32/F16 tensors, a type not
+served) stays with the dense method. The quantized module holds only the bias until
+`finalize` copies the raw blocks out of the file: one `QuantLinear` when the parts share a type,
+else one per part with their outputs concatenated (a Q4_K_M file mixes Q4_K q/k with Q6_K v).
+The float tensors the loader hands `load` are only checked against the spec, never kept: the
+resident size is the file's. A tied LM head is the embedding's blocks, and so is the lookup
+(`QuantEmbedding`). `QuantDecodeWeights` gathers every layer's blocks for the fused C++ decode
+(`cpu_kernels.quant_decode_layers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from torch import nn
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.family import NameMap
 from mstar.engine.model.gguf_quant import StoredTensor, read_stored
+from mstar.engine.model.layers import PROJECTIONS
 from mstar.engine.model.linear import LinearSpec, ShapeMismatch, copy_rows
 from mstar.kernels.quant_linear import QuantLinear, row_bytes, served
 
@@ -98,7 +101,10 @@ class GGUFWeights:
                 module, _, kind = local.rpartition(".")
                 if kind == "weight":
                     self.sources[f"layers.{i}.{module}"] = tensors
-        # a tied head multiplies by the embedding's blocks (the lookup keeps its float copy)
+        # A tied head multiplies the embedding's blocks as stored, as llama.cpp does with a
+        # file that has no output tensor (the lookup then reads the same blocks:
+        # `share_tied_embedding`): a Q8_0 head reads 0.53x of bf16's bytes, a third of
+        # SmolLM2's step.
         tied = cfg.tie_word_embeddings
         self.sources["lm_head"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         self._takes: dict[str, bool] = {}
@@ -175,3 +181,55 @@ class GGUFLinearMethod:
             )
             row += rows
         return ConcatQuantLinear(linears)
+
+
+@dataclass(frozen=True)
+class QuantDecodeWeights:
+    """Every layer's weights as `cpu_kernels.quant_decode_layers` takes them: each projection
+    a `QuantLinear` or a `ConcatQuantLinear` of them (its parts' blocks and types in order),
+    and the most rows their integer kernel takes (past it a `QuantLinear` dequantizes)."""
+
+    norm_in: list[torch.Tensor]
+    norm_post: list[torch.Tensor]
+    blocks: list[torch.Tensor]
+    types: list[int]
+    #: parts per projection, 4 per layer
+    parts: list[int]
+    biases: list[torch.Tensor | None]
+    max_rows: int
+
+    @staticmethod
+    def gather(layers: Any) -> QuantDecodeWeights | None:
+        """The bundle, or None where a projection is not all GGUF blocks."""
+        blocks: list[torch.Tensor] = []
+        types: list[int] = []
+        counts: list[int] = []
+        biases: list[torch.Tensor | None] = []
+        max_rows = 1 << 30
+        for layer in layers:
+            dtype = layer.input_layernorm.weight.dtype
+            for name in PROJECTIONS:
+                linear = getattr(layer, name)
+                held = list(linear.parts) if isinstance(linear, ConcatQuantLinear) else [linear]
+                parts = [p for p in held if isinstance(p, QuantLinear)]
+                if len(parts) != len(held):
+                    return None
+                blocks += [p.blocks for p in parts]
+                types += [p.qtype for p in parts]
+                counts.append(len(parts))
+                part_biases = [p.bias for p in parts if p.bias is not None]
+                biases.append(torch.cat(part_biases).to(dtype) if part_biases else None)
+                max_rows = min(max_rows, *(p.dequant_min_rows - 1 for p in parts))
+        return QuantDecodeWeights(
+            norm_in=[layer.input_layernorm.weight.detach() for layer in layers],
+            norm_post=[layer.post_attention_layernorm.weight.detach() for layer in layers],
+            blocks=blocks,
+            types=types,
+            parts=counts,
+            biases=biases,
+            max_rows=max_rows,
+        )
+
+    def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
+        weights = (self.norm_in, self.norm_post, self.blocks, self.types, self.parts)
+        return "quant_decode_layers", (*weights, self.biases)

@@ -23,7 +23,12 @@ from mstar.engine.config import QUANTIZATIONS
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.decoder import Decoder, fused_decode_refusal
 from mstar.engine.model.gguf_convert import gguf_folder
-from mstar.engine.model.gguf_linear import GGUFLinearMethod, GGUFWeights, share_tied_embedding
+from mstar.engine.model.gguf_linear import (
+    GGUFLinearMethod,
+    GGUFWeights,
+    QuantDecodeWeights,
+    share_tied_embedding,
+)
 from mstar.engine.model.layers import RMSNorm
 from mstar.engine.model.linear import (
     DenseLinearMethod,
@@ -285,8 +290,6 @@ def load_model(
         specs = decoder.linears.specs.values()
         kept = sorted(s.name for s in specs if quant.weights.takes(s))
         log.info("GGUF: %d of %d projections served quantized as stored", len(kept), len(specs))
-        if kept:  # decode_layers takes packed float weights only
-            refusal = ", ".join(r for r in (refusal, "GGUF-quantized projections") if r)
     decoder.finalize_linears(
         _sharded(shard, _picker(quant, method)), fused=kernels is not None and refusal is None
     )
@@ -296,7 +299,10 @@ def load_model(
             log.info("GGUF: the tied embedding is looked up in the LM head's blocks")
     if kernels is not None:
         if decoder.fused_decode is not None:
-            log.info("%s: decode steps run every layer in one fused CPU kernel call", cfg.family)
+            stored = isinstance(decoder.fused_decode, QuantDecodeWeights)
+            how = "GGUF blocks as stored" if stored else "packed float"
+            log.info("%s: decode steps run every layer in one fused CPU kernel call (weights: %s)",
+                     cfg.family, how)  # fmt: skip
         else:
             why = refusal or "a projection runs outside the small-batch kernels"
             log.info("%s: fused CPU decode off (%s); decode steps run layer by layer",

@@ -55,3 +55,77 @@ void quant_dequantize_(torch::Tensor blocks, int64_t type, torch::Tensor out) {
                                 out.data_ptr<T>());
   });
 }
+
+// Every decoder layer of a decode step in one call, as `decode_layers` runs them
+// (`run_decode_layers`: the same glue kernels in the same order), each projection's weight the GGUF blocks as stored: x's
+// rows are quantized once per projection input and shared by its parts (Q, K, V; gate, up),
+// which may differ in type; every output is `quant_linear`'s for its part, so the step gives
+// the layer-by-layer path's bits. blocks / types: every part's uint8 [n, row bytes] and ggml
+// type, in order (layer, then QKV, O, gate/up, down, then part); parts: how many parts each of
+// the 4 * layers projections has; biases: each projection's (4 per layer, None where absent,
+// x's dtype). The rest as `decode_layers` takes it. Returns (the last layer's MLP output,
+// residual).
+std::vector<torch::Tensor> quant_decode_layers(
+    torch::Tensor h, torch::Tensor residual, std::vector<torch::Tensor> norm_in,
+    std::vector<torch::Tensor> norm_post, std::vector<torch::Tensor> blocks,
+    std::vector<int64_t> types, std::vector<int64_t> parts,
+    std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cache, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor page_table, torch::Tensor kv_lens, torch::Tensor slots,
+    int64_t num_heads, int64_t num_kv_heads, int64_t inter, double scale, double eps) {
+  const char* op = "quant_decode_layers";
+  const auto layers = static_cast<int64_t>(norm_in.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(norm_post.size()) == layers &&
+                  static_cast<int64_t>(parts.size()) == 4 * layers &&
+                  static_cast<int64_t>(biases.size()) == 4 * layers &&
+                  types.size() == blocks.size(),
+              op, ": norms one per layer, parts and biases 4 per layer, a type per part");
+  TORCH_CHECK(cache.dim() == 6 && cache.size(0) == layers && cache.is_contiguous(), op,
+              ": cache must be a contiguous [layers, pages, 2, S, Hkv, D]");
+  TORCH_CHECK(h.dim() == 2 && h.sizes() == residual.sizes() && glue_dtype(h), op,
+              ": h / residual float32 or bfloat16 [T, H]");
+  const int64_t t = h.size(0), hidden = h.size(1), dim = cache.size(5);
+  const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
+  // per projection: inputs, outputs, its parts (checked before the residual is touched)
+  const int64_t ks[4] = {hidden, q_size, hidden, inter};
+  const int64_t ns[4] = {q_size + 2 * kv_size, hidden, 2 * inter, hidden};
+  std::vector<mstar_cpu::QuantPart> all;
+  std::vector<int64_t> first(4 * layers + 1, 0);
+  for (int64_t p = 0; p < 4 * layers; ++p) {
+    TORCH_CHECK(parts[p] > 0, op, ": projection ", p, " has no parts");
+    int64_t rows = 0;
+    for (int64_t j = 0; j < parts[p]; ++j) {
+      const auto idx = all.size();
+      TORCH_CHECK(idx < blocks.size(), op, ": fewer blocks than the parts count");
+      const auto& b = blocks[idx];
+      TORCH_CHECK(b.dim() == 2, op, ": blocks must be [n, row bytes]");
+      check_quant_weight(b, types[idx], b.size(0), ks[p % 4], op);
+      all.push_back({types[idx], b.data_ptr<uint8_t>(), b.size(0)});
+      rows += b.size(0);
+    }
+    TORCH_CHECK(rows == ns[p % 4], op, ": projection ", p, "'s parts hold ", rows, " rows, not ",
+                ns[p % 4]);
+    first[p + 1] = static_cast<int64_t>(all.size());
+  }
+  TORCH_CHECK(all.size() == blocks.size(), op, ": more blocks than the parts count");
+  const int64_t max_k = std::max({hidden, q_size, inter});
+  auto q = torch::empty({t, max_k}, h.options().dtype(torch::kInt8));
+  auto scales = torch::empty({t, mstar_cpu::quant_row_floats(max_k)}, h.options().dtype(torch::kFloat32));
+  // x [t, k] (rows contiguous) @ projection p's parts -> [t, n]
+  auto proj = [&](const torch::Tensor& x, int64_t p) {
+    const int64_t k = x.size(1), n = ns[p % 4];
+    TORCH_CHECK(x.stride(1) == 1 && x.scalar_type() == h.scalar_type(), op, ": bad activations");
+    auto out = torch::empty({t, n}, x.options());
+    by_dtype(x, op, [&](auto tag) {
+      using T = decltype(tag);
+      mstar_cpu::quant_rows<T>(x.data_ptr<T>(), x.stride(0), t, k, q.data_ptr<int8_t>(),
+                               scales.data_ptr<float>());
+      mstar_cpu::quant_gemm_parts<T>(all.data() + first[p], first[p + 1] - first[p], k,
+                                     q.data_ptr<int8_t>(), scales.data_ptr<float>(), t,
+                                     linear_bias<T>(biases[p], n, op), out.data_ptr<T>(), n);
+    });
+    return out;
+  };
+  return run_decode_layers(h, residual, norm_in, norm_post, cache, cos, sin, page_table,
+                           kv_lens, slots, num_heads, num_kv_heads, scale, eps,
+                           [&](const torch::Tensor& x, int64_t i, int64_t j) { return proj(x, 4 * i + j); });
+}

@@ -104,10 +104,15 @@ RowsKernel kernel_for(int64_t type) {
 }
 
 // One row of x -> its QuantAct arrays: per group d = max|x| / 127, q = x * 127 / max|x|
-// rounded to nearest even (all zero for an all-zero group).
+// rounded to nearest even (all zero for an all-zero group); scales: d [K / 32], then ds
+// [K / 16], then dsum [K / 32] (`quant_row_floats`).
 template <typename T>
-void quantize_row(const T* x, int64_t k, int8_t* q, float* d, float* ds, float* dsum) {
-  for (int64_t g = 0; g < k / kGroup; ++g) {
+void quantize_row(const T* x, int64_t k, int8_t* q, float* scales) {
+  const int64_t groups = k / kGroup;
+  float* d = scales;
+  float* ds = scales + groups;
+  float* dsum = scales + 3 * groups;
+  for (int64_t g = 0; g < groups; ++g) {
     float v[kGroup];
     float amax = 0.0f;
     for (int e = 0; e < kGroup; ++e) {
@@ -162,33 +167,60 @@ bool quant_vnni() {
 }
 
 template <typename T>
-void quant_gemm(int64_t type, const uint8_t* w, int64_t n, int64_t k, const T* x, int64_t lda,
-                int64_t m, const T* bias, T* out) {
-  const RowsKernel kernel = kernel_for(type);
-  const int64_t blocks = k / quant_block_elems(type), row_bytes = blocks * quant_block_bytes(type);
-  const int64_t groups = k / kGroup;
-  std::vector<int8_t> q(m * k);
-  std::vector<float> d(m * groups), ds(m * groups * 2), dsum(m * groups);
+void quant_rows(const T* x, int64_t lda, int64_t m, int64_t k, int8_t* q, float* scales) {
+  const int64_t floats = quant_row_floats(k);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      quantize_row(x + r * lda, k, q.data() + r * k, d.data() + r * groups,
-                   ds.data() + r * groups * 2, dsum.data() + r * groups);
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * lda, k, q + r * k, scales + r * floats);
   });
+}
+
+template <typename T>
+void quant_gemm_parts(const QuantPart* parts, int64_t count, int64_t k, const int8_t* q,
+                      const float* scales, int64_t m, const T* bias, T* out, int64_t ldc) {
+  const int64_t groups = k / kGroup, floats = quant_row_floats(k);
   std::vector<QuantAct> act(m);
-  for (int64_t r = 0; r < m; ++r)
-    act[r] = {q.data() + r * k, d.data() + r * groups, ds.data() + r * groups * 2,
-              dsum.data() + r * groups};
-  at::parallel_for(0, n, 8, [&](int64_t n0, int64_t n1) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* s = scales + r * floats;
+    act[r] = {q + r * k, s, s + groups, s + 3 * groups};
+  }
+  struct Run {  // one part: its kernel, rows and first output column
+    RowsKernel kernel;
+    const uint8_t* w;
+    int64_t blocks, row_bytes, col0, end;
+  };
+  std::vector<Run> runs;
+  int64_t total = 0;
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t blocks = k / quant_block_elems(parts[p].type);
+    runs.push_back({kernel_for(parts[p].type), parts[p].w, blocks,
+                    blocks * quant_block_bytes(parts[p].type), total, total + parts[p].n});
+    total += parts[p].n;
+  }
+  at::parallel_for(0, total, 8, [&](int64_t c0, int64_t c1) {
     float res[kQuantRows];
-    for (int64_t col = n0; col < n1; ++col) {
+    size_t p = 0;
+    for (int64_t col = c0; col < c1; ++col) {
+      while (col >= runs[p].end) ++p;
+      const Run& run = runs[p];
+      const uint8_t* w = run.w + (col - run.col0) * run.row_bytes;
       const float b = bias != nullptr ? static_cast<float>(bias[col]) : 0.0f;
       for (int64_t r0 = 0; r0 < m; r0 += kQuantRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kQuantRows, m - r0));
-        kernel(w + col * row_bytes, blocks, act.data() + r0, rows, res);
-        for (int r = 0; r < rows; ++r) out[(r0 + r) * n + col] = static_cast<T>(res[r] + b);
+        run.kernel(w, run.blocks, act.data() + r0, rows, res);
+        for (int r = 0; r < rows; ++r) out[(r0 + r) * ldc + col] = static_cast<T>(res[r] + b);
       }
     }
   });
+}
+
+template <typename T>
+void quant_gemm(int64_t type, const uint8_t* w, int64_t n, int64_t k, const T* x, int64_t lda,
+                int64_t m, const T* bias, T* out) {
+  std::vector<int8_t> q(m * k);
+  std::vector<float> scales(m * quant_row_floats(k));
+  quant_rows(x, lda, m, k, q.data(), scales.data());
+  const QuantPart part{type, w, n};
+  quant_gemm_parts(&part, 1, k, q.data(), scales.data(), m, bias, out, n);
 }
 
 namespace {
@@ -244,6 +276,12 @@ template void quant_gemm(int64_t, const uint8_t*, int64_t, int64_t, const float*
                          int64_t, const float*, float*);
 template void quant_gemm(int64_t, const uint8_t*, int64_t, int64_t, const c10::BFloat16*,
                          int64_t, int64_t, const c10::BFloat16*, c10::BFloat16*);
+template void quant_rows(const float*, int64_t, int64_t, int64_t, int8_t*, float*);
+template void quant_rows(const c10::BFloat16*, int64_t, int64_t, int64_t, int8_t*, float*);
+template void quant_gemm_parts(const QuantPart*, int64_t, int64_t, const int8_t*, const float*,
+                               int64_t, const float*, float*, int64_t);
+template void quant_gemm_parts(const QuantPart*, int64_t, int64_t, const int8_t*, const float*,
+                               int64_t, const c10::BFloat16*, c10::BFloat16*, int64_t);
 template void quant_dequant(int64_t, const uint8_t*, int64_t, int64_t, float*);
 template void quant_dequant(int64_t, const uint8_t*, int64_t, int64_t, c10::BFloat16*);
 
