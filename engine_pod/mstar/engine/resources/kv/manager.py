@@ -22,6 +22,7 @@ they leave its window.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,8 @@ from mstar.engine.resources.step import (
 
 __all__ = ["MAIN_LABEL", "KVCacheResource"]
 
+log = logging.getLogger(__name__)
+
 
 def _refuse(reason: Any) -> AdmitOutcome:
     return AdmitOutcome(False, True, reason)
@@ -80,6 +83,13 @@ class KVCacheResource(GroupedStreams, PrefixSharing, HostOffload, Resource):
         self.groups = config.groups
         #: The groups a main segment also covers, with their windows (hybrid models only).
         self._linked = tuple(zip(config.groups.labels, config.groups.windows, strict=True))[1:]
+        if self._linked:
+            log.info(
+                "KV groups: %s (windows %s), %d layers per page",
+                ", ".join(config.groups.labels),
+                ", ".join(str(w) for w in config.groups.windows),
+                config.groups.slots,
+            )
         self._streams: dict[str, dict[str, Stream]] = {}
         self._tokens: dict[str, Sequence[int]] = {}
         self._lock = threading.RLock()
