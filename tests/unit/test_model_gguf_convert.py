@@ -21,6 +21,8 @@ from tiny_checkpoints import randomize_qkv_bias_
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -35,6 +37,8 @@ from mstar.engine.model import gguf_convert as gc
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 )
+#: the tiny Gemma 3's sliding window: the tests' prompts run past it
+GEMMA3_WINDOW = 4
 CORPUS = ["hello world, the quick brown fox 🚀", "jumps over the lazy dog near the café"] * 4
 
 
@@ -103,11 +107,30 @@ def write_tiny_gguf(
         max_position_embeddings=64,
         rms_norm_eps=1e-5,
         initializer_range=0.2,
-        tie_word_embeddings=(family == "llama"),
+        tie_word_embeddings=family in ("llama", "gemma3"),
         rope_theta=10000.0,
     )
     torch.manual_seed(seed)
-    if family == "llama":
+    if family == "gemma3":  # llama.cpp's fixed local RoPE base; norms random around 0
+        common.pop("rope_theta")
+        model = Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                **common,
+                head_dim=hidden // heads,
+                query_pre_attn_scalar=hidden // heads,
+                sliding_window=GEMMA3_WINDOW,
+                final_logit_softcapping=30.0,
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": gc.GEMMA3_LOCAL_ROPE_THETA,
+                    },
+                },
+            )
+        )
+        randomize_(model, seed)
+    elif family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif family == "qwen3":  # q/k norms: random, so a lost or misnamed one changes the logits
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // heads))
@@ -127,6 +150,11 @@ def write_tiny_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hidden // heads)
+    if family == "gemma3":
+        w.add_key_length(hidden // heads)
+        w.add_value_length(hidden // heads)
+        w.add_sliding_window(GEMMA3_WINDOW)
+        w.add_final_logit_softcapping(30.0)
     w.add_vocab_size(n_vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -149,8 +177,16 @@ def write_tiny_gguf(
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
     }
+    if family == "gemma3":
+        names.update(
+            post_attention_layernorm="post_attention_norm",
+            pre_feedforward_layernorm="ffn_norm",
+            post_feedforward_layernorm="post_ffw_norm",
+        )
     for name, p in model.state_dict().items():
         arr = p.detach().float().numpy().copy()
+        if family == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1  # as llama.cpp's converter stores Gemma's norms
         if name == "model.embed_tokens.weight":
             add("token_embd.weight", arr)
         elif name == "model.norm.weight":
@@ -173,12 +209,13 @@ def write_tiny_gguf(
     return model, tok
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_converted_tiny_gguf_matches_transformers(tmp_path, family):
     hf, hf_tok = write_tiny_gguf(tmp_path / "tiny.gguf", family)
     target = gc.convert_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
     decoder, cfg, tok = load_model(target, "float32")
-    assert cfg.family == family and cfg.tie_word_embeddings == (family == "llama")
+    assert cfg.family == family
+    assert cfg.tie_word_embeddings == (family in ("llama", "gemma3"))
     text = "the quick brown fox 🚀 jumps"
     ids = tok.encode(text)
     assert ids == hf_tok.encode(text).ids

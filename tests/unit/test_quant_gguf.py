@@ -1,9 +1,9 @@
 """`gguf_quant.read_stored`: a GGUF file's tensors as stored, under their Hugging Face names.
 
-A tiny Llama file mixes what real ones hold (Q8_0, Q4_1, Q4_K, Q6_K matrices, F32 norms);
-each stored tensor, dequantized by the ``gguf`` package, must equal what `gguf_convert` (the
-float32 conversion) reads from the same file, so the Q/K rows un-permuted as raw blocks land
-where the converter puts the float rows.
+A tiny Llama (and Gemma 3) file mixes what real ones hold (Q8_0, Q4_1, Q4_K, Q6_K matrices,
+F32 norms); each stored tensor, dequantized by the ``gguf`` package, must equal what
+`gguf_convert` (the float32 conversion) reads from the same file, so the Q/K rows un-permuted as
+raw blocks land where the converter puts the float rows.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from test_model_gguf_convert import write_tiny_gguf
 from test_quant_linear import make_blocks
 
 from mstar.engine.model.config import ModelLoadError
 from mstar.engine.model.gguf_convert import _read_tensors
-from mstar.engine.model.gguf_quant import read_stored
+from mstar.engine.model.gguf_quant import read_stored, scan
 
 HEADS, KV_HEADS, HIDDEN, INTER = 4, 2, 256, 512
 
@@ -55,10 +56,12 @@ def write_gguf(path: Path, arch: str = "llama") -> None:
     w.close()
 
 
-def test_stored_tensors_dequantize_to_the_converted_ones(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_stored_tensors_dequantize_to_the_converted_ones(tmp_path, arch):
+    """Gemma's norm (stored ``1 + w``) comes back as the converter's ``w``; its Q/K rows stay."""
     path = tmp_path / "tiny.gguf"
-    write_gguf(path)
-    converted = _read_tensors(gguf.GGUFReader(str(path)), "llama", HEADS, KV_HEADS)
+    write_gguf(path, arch)
+    converted = _read_tensors(gguf.GGUFReader(str(path)), arch, HEADS, KV_HEADS)
     stored = {t.name: t for t in read_stored(path)}
     assert set(stored) == set(converted)
     types = {name: t.qtype.name for name, t in stored.items()}
@@ -83,3 +86,24 @@ def test_other_architectures_are_refused(tmp_path):
     write_gguf(tmp_path / "x.gguf", arch="gpt2")
     with pytest.raises(ModelLoadError, match="gpt2"):
         list(read_stored(tmp_path / "x.gguf"))
+
+
+def test_scan_reads_what_gguf_reader_reads(tmp_path):
+    """`scan` skips the metadata arrays (vocabulary, merges, token types) by their lengths and
+    lands on the same tensors, bytes and scalar fields as ``gguf.GGUFReader``."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "qwen2", qtypes={"attn_q.weight": "Q8_0", "ffn_up.weight": "Q4_1"})
+    fields, tensors = scan(path)
+    reader = gguf.GGUFReader(str(path))
+    assert [t[0] for t in tensors] == [t.name for t in reader.tensors]
+    for (_, qtype, shape, raw), t in zip(tensors, reader.tensors, strict=True):
+        assert qtype == t.tensor_type and shape == tuple(int(d) for d in reversed(t.shape))
+        assert raw.tobytes() == np.ascontiguousarray(t.data).tobytes(), t.name
+    scalars = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if not k.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY
+    }
+    assert fields.keys() == scalars.keys()
+    for key, value in scalars.items():
+        assert fields[key] == pytest.approx(value), key

@@ -1,11 +1,13 @@
 """A GGUF file's quantized projections served as stored (`gguf_linear.GGUFLinearMethod`).
 
-A tiny Llama (tied head) and Qwen2 (Q/K/V biases, own LM head) are written as GGUF files with
-Q8_0 / Q4_0 projections; Qwen2's Q/K/V mix types, so its fused QKV is one `QuantLinear` per
-part. Loaded with ``quantization="auto"`` they must give the logits of the same engine on the
-dequantized weights (``quantization="none"``) up to the activations' 8-bit quantization, and
-the same greedy tokens wherever the reference's top-2 margin exceeds that tolerance; the
-projections must hold the file's blocks and no float copy.
+A tiny Llama (tied head), Qwen2 (Q/K/V biases, own LM head), Qwen3 (q/k norms) and Gemma 3
+(four ``1 + w`` norms, sliding window, soft-capped logits, tied head) are written as GGUF files
+with Q8_0 / Q4_0 / Q4_1 / Q5_0 projections; where a fused projection's parts mix types (Qwen2's
+and Gemma's Q/K/V, as in Gemma 3 270M's Q4_K_M file) it is one `QuantLinear` per part.
+Loaded with ``quantization="auto"`` they must give the logits of the same engine on the
+dequantized weights (``quantization="none"``) up to the activations' 8-bit quantization, and the
+same greedy tokens wherever the reference's top-2 margin exceeds that tolerance; the projections
+must hold the file's blocks and no float copy.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from test_model_gguf_convert import write_tiny_gguf
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
 from mstar.engine.model import ModelLoadError, load_model
-from mstar.engine.model.gguf_linear import ConcatQuantLinear, QuantDecodeWeights
+from mstar.engine.model.gguf_linear import ConcatQuantLinear, QuantDecodeWeights, QuantEmbedding
 from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import quant_linear
 from mstar.kernels.cpu_gemm import PackedLinear
@@ -30,7 +32,8 @@ from mstar.kernels.quant_linear import QuantLinear, row_bytes
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 QTYPES = {
-    "llama": {
+    "llama": {  # its tied LM head multiplies by the embedding's Q8_0 blocks
+        "token_embd.weight": "Q8_0",
         "attn_q.weight": "Q8_0",
         "attn_k.weight": "Q8_0",
         "attn_v.weight": "Q8_0",
@@ -38,7 +41,6 @@ QTYPES = {
         "ffn_gate.weight": "Q4_0",
         "ffn_up.weight": "Q4_0",
         "ffn_down.weight": "Q8_0",
-        "token_embd.weight": "Q8_0",  # the tied LM head multiplies these blocks
     },
     "qwen2": {
         "attn_q.weight": "Q8_0",
@@ -50,10 +52,32 @@ QTYPES = {
         "ffn_down.weight": "Q4_0",
         "output.weight": "Q8_0",
     },
+    "qwen3": {
+        "attn_q.weight": "Q4_1",
+        "attn_k.weight": "Q4_1",
+        "attn_v.weight": "Q4_1",
+        "attn_output.weight": "Q8_0",
+        "ffn_gate.weight": "Q4_1",
+        "ffn_up.weight": "Q4_1",
+        "ffn_down.weight": "Q5_0",
+        "output.weight": "Q4_1",
+    },
+    "gemma3": {  # Gemma 3 270M's Q4_K_M file's small-row types (its K-quants need 256 inputs)
+        "attn_q.weight": "Q5_0",
+        "attn_k.weight": "Q5_0",
+        "attn_v.weight": "Q8_0",
+        "attn_output.weight": "Q4_0",
+        "ffn_gate.weight": "Q5_0",
+        "ffn_up.weight": "Q5_0",
+        "ffn_down.weight": "Q8_0",
+    },
 }
+#: the families whose fused Q/K/V mixes types above (one `QuantLinear` per part)
+MIXED_QKV = ("qwen2", "gemma3")
 #: logits of the quantized engine against the dequantized one, as a fraction of the largest
 #: |logit|: the only difference is x quantized to 8 bits per 32 values before each integer dot
-#: product (measured: at most 1.8% Llama, 4.4% Qwen2, whose LM head is Q8_0 too)
+#: product (measured: at most 1.8% Llama, 4.4% Qwen2, whose LM head is Q8_0 too, 1.6% Qwen3,
+#: 1.5% Gemma 3)
 LOGIT_TOL = 0.05
 
 
@@ -62,7 +86,7 @@ def _bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", list(QTYPES))
 def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog, family):
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"{family}.gguf"
@@ -70,23 +94,38 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="mstar.engine.model.loader"):
         quant, cfg, tok = load_model(path, "float32")
     dense, _, _ = load_model(path, "float32", quantization="none")
-    assert isinstance(quant.fused_decode, QuantDecodeWeights)  # test_quant_fused_decode's
+    # the fused C++ decode over the blocks (test_quant_fused_decode's) where the family's
+    # layer is the one it implements
+    fused = isinstance(quant.fused_decode, QuantDecodeWeights)
+    assert fused == (family in ("llama", "qwen2"))
 
-    # every projection holds the file's blocks, and nothing else of its weight
+    # every projection holds the file's blocks, and nothing else of its weight; a tied head
+    # is quantized where the embedding is
+    quantized_head = not cfg.tie_word_embeddings or "token_embd.weight" in QTYPES[family]
     taken = 0
     for name, spec in quant.linears.specs.items():
         module = quant.get_submodule(name)
+        if name == "lm_head" and not quantized_head:
+            assert isinstance(module, PackedLinear)  # the float embedding's, packed
+            continue
         parts = module.parts if isinstance(module, ConcatQuantLinear) else [module]
         assert all(isinstance(p, QuantLinear) for p in parts), name
-        assert isinstance(module, ConcatQuantLinear) == (family == "qwen2" and "qkv" in name)
+        assert isinstance(module, ConcatQuantLinear) == (family in MIXED_QKV and "qkv" in name)
         stored = sum(row_bytes(p.qtype, spec.in_features) * p.out_features for p in parts)
         assert _bytes(module) == stored + (spec.out_features * 4 if spec.bias else 0)
         assert isinstance(dense.get_submodule(name), PackedLinear)
         taken += 1
-    assert taken == cfg.num_layers * 4 + 1
+    assert taken == cfg.num_layers * 4 + quantized_head
     saved = sum(
-        _bytes(dense.get_submodule(n)) - _bytes(quant.get_submodule(n)) for n in quant.linears.specs
+        _bytes(dense.get_submodule(n)) - _bytes(quant.get_submodule(n))
+        for n in quant.linears.specs
+        if n != "lm_head" or quantized_head
     )
+    # a quantized tied head's blocks are the embedding's too: the float table is dropped
+    shared = cfg.tie_word_embeddings and quantized_head
+    assert isinstance(quant.embed_tokens, QuantEmbedding) == shared
+    if shared:
+        saved += _bytes(dense.embed_tokens)
     assert saved > 0 and _bytes(quant) == _bytes(dense) - saved
 
     ids = tok.encode("the quick brown fox jumps over")

@@ -165,6 +165,12 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
     return None
 
 
+def stored_plus_one(arch: str, name: str) -> bool:
+    """True for a tensor llama.cpp stores as ``1 + w`` (Gemma's norms, q/k norms included:
+    its converter adds the 1 that Gemma's RMSNorm applies at run time)."""
+    return arch == "gemma3" and name.endswith("norm.weight")
+
+
 def _round_f32(x: float) -> float:
     """GGUF stores floats as float32 (1e-5 -> 9.99999974e-06); recover the intended decimal."""
     return float(str(np.float32(x)))
@@ -327,8 +333,8 @@ def _read_tensors(reader: Any, arch: str, heads: int, kv_heads: int) -> dict[str
         if hf is None:
             continue
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch == "gemma3" and t.name.endswith("norm.weight"):
-            arr = arr - 1  # llama.cpp stores Gemma's 1 + w
+        if stored_plus_one(arch, t.name):
+            arr = arr - 1
         # GGUF shapes are listed fastest-dimension first; numpy order is the reverse.
         arr = arr.reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and t.name.endswith("attn_q.weight"):

@@ -3,13 +3,13 @@
 `GGUFWeights` reads a GGUF file's tensors as stored (`gguf_quant.read_stored`) and picks, per
 projection, `GGUFLinearMethod` where every checkpoint tensor fused into it is a type
 `QuantLinear` serves and its rows are whole blocks; anything else (F32/F16 tensors, a type not
-served) stays with the dense method. The
-quantized module holds only the bias until `finalize` copies the raw blocks out of the file:
-one `QuantLinear` when the parts share a type, else one per part with their outputs
-concatenated (a Q4_K_M file mixes Q4_K q/k with Q6_K v). The float tensors the loader hands
-`load` are only checked against the spec, never kept: the resident size is the file's. A tied
-LM head is the embedding's blocks (the lookup reads the float conversion). `QuantDecodeWeights`
-gathers every layer's blocks for the fused C++ decode (`cpu_kernels.quant_decode_layers`).
+served) stays with the dense method. The quantized module holds only the bias until
+`finalize` copies the raw blocks out of the file: one `QuantLinear` when the parts share a type,
+else one per part with their outputs concatenated (a Q4_K_M file mixes Q4_K q/k with Q6_K v).
+The float tensors the loader hands `load` are only checked against the spec, never kept: the
+resident size is the file's. A tied LM head is the embedding's blocks, and so is the lookup
+(`QuantEmbedding`). `QuantDecodeWeights` gathers every layer's blocks for the fused C++ decode
+(`cpu_kernels.quant_decode_layers`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,38 @@ class ConcatQuantLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
+class QuantEmbedding(nn.Module):
+    """A tied embedding looked up in its LM head's blocks: each id's row dequantized (exactly
+    the values the float copy held, which is dropped: Gemma 3 270M's 671 MB float32 table).
+
+    ``weight``: an empty tensor of the dtype and device, which `Decoder.dtype` reads."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]  # a list: the blocks stay the head's, counted once
+        self.dim = head.in_features
+        self.dtype = dtype
+        self.register_buffer("weight", torch.empty(0, self.dim, dtype=dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), self.dim, dtype=self.dtype)
+        head.kernels.quant_dequantize_(head.blocks.index_select(0, flat), head.qtype, out)
+        return out.reshape(*ids.shape, self.dim)
+
+
+def share_tied_embedding(decoder: nn.Module) -> bool:
+    """Look a tied embedding up in the quantized LM head's blocks; False where the head is
+    not one `QuantLinear` (the float embedding stays)."""
+    head = getattr(decoder, "lm_head", None)
+    embed = getattr(decoder, "embed_tokens", None)
+    if not isinstance(head, QuantLinear) or not isinstance(embed, nn.Embedding):
+        return False
+    decoder.embed_tokens = QuantEmbedding(head, embed.weight.dtype)
+    return True
+
+
 class GGUFWeights:
     """A GGUF file's stored tensors and the projections kept quantized (`takes`)."""
 
@@ -70,8 +102,9 @@ class GGUFWeights:
                 if kind == "weight":
                     self.sources[f"layers.{i}.{module}"] = tensors
         # A tied head multiplies the embedding's blocks as stored, as llama.cpp does with a
-        # file that has no output tensor (the lookup keeps the float conversion's copy): a Q8_0
-        # head reads 0.53x of bf16's bytes, a third of SmolLM2's step.
+        # file that has no output tensor (the lookup then reads the same blocks:
+        # `share_tied_embedding`): a Q8_0 head reads 0.53x of bf16's bytes, a third of
+        # SmolLM2's step.
         tied = cfg.tie_word_embeddings
         self.sources["lm_head"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         self._takes: dict[str, bool] = {}

@@ -23,7 +23,12 @@ from mstar.engine.config import QUANTIZATIONS
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.decoder import Decoder, fused_decode_refusal
 from mstar.engine.model.gguf_convert import gguf_folder
-from mstar.engine.model.gguf_linear import GGUFLinearMethod, GGUFWeights, QuantDecodeWeights
+from mstar.engine.model.gguf_linear import (
+    GGUFLinearMethod,
+    GGUFWeights,
+    QuantDecodeWeights,
+    share_tied_embedding,
+)
 from mstar.engine.model.layers import RMSNorm
 from mstar.engine.model.linear import (
     DenseLinearMethod,
@@ -268,6 +273,8 @@ def load_model(
     decoder.finalize_linears(_picker(quant, method), fused=kernels is not None and refusal is None)
     if quant is not None:
         quant.weights.release()
+        if cfg.tie_word_embeddings and share_tied_embedding(decoder):
+            log.info("GGUF: the tied embedding is looked up in the LM head's blocks")
     if kernels is not None:
         if decoder.fused_decode is not None:
             stored = isinstance(decoder.fused_decode, QuantDecodeWeights)
