@@ -36,7 +36,8 @@ def _case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return x, y, a.to(dtype), b.to(dtype), ranks, scales, indptr, torch.tensor(SEG_SLOTS)
 
 
-def _reference(x, y, a, b, scales, indptr, seg_slot) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _reference(*case: torch.Tensor) -> torch.Tensor:
+    x, y, a, b, scales, indptr, seg_slot = case
     out = y.double().clone()
     for g, s in enumerate(seg_slot.tolist()):
         if s < 0:
@@ -47,8 +48,9 @@ def _reference(x, y, a, b, scales, indptr, seg_slot) -> torch.Tensor:  # type: i
     return out
 
 
-def _tolerance(dtype: torch.dtype) -> dict[str, float]:
-    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
 def _kernels(level: str) -> Any:
@@ -66,7 +68,7 @@ def test_kernel_matches_reference(level: str, dtype: torch.dtype) -> None:
     want = _reference(x, y, a, b, scales, indptr, seg_slot)
     before = y.clone()
     lora_add_(y, x, a, b, ranks, scales, indptr, seg_slot, OFFSET, kernels=_kernels(level))
-    torch.testing.assert_close(y.double(), want, **_tolerance(dtype))
+    _close(y, want, dtype)
     base_rows = torch.repeat_interleave(seg_slot, torch.tensor(LENGTHS)) < 0
     assert torch.equal(y[base_rows], before[base_rows])  # the base rows are untouched
     outside = torch.ones(WIDTH, dtype=torch.bool)
@@ -79,7 +81,7 @@ def test_gathered_torch_path_matches_reference(dtype: torch.dtype) -> None:
     x, y, a, b, _, scales, indptr, seg_slot = _case(dtype)
     want = _reference(x, y, a, b, scales, indptr, seg_slot)
     lora_add_torch(y, x, a, b, scales, token_slots(indptr, seg_slot, x.device), OFFSET)
-    torch.testing.assert_close(y.double(), want, **_tolerance(dtype))
+    _close(y, want, dtype)
 
 
 def test_kernel_refuses_bad_segments() -> None:
