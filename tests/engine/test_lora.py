@@ -14,9 +14,10 @@ import torch
 from lora_adapters import ALL_PROJECTIONS, build_adapter, peft_greedy
 from models import TINY_VOCAB, build_tiny_model
 
-from mstar.engine.config import EngineConfig
+from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.engine.engine import LLMEngine
 from mstar.engine.lora.adapter import AdapterError
+from mstar.engine.lora.modules import LoraModule, parse_lora_module
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 
 NEW_TOKENS = 12
@@ -218,3 +219,22 @@ def test_bf16_serves_adapters(tiny_llama_dir: Path, adapters: dict[str, Path]) -
     lora = engine.generate(prompts, _greedy("r64"))
     base = engine.generate(prompts, _greedy(None))
     assert all(len(o) == NEW_TOKENS for o in lora) and lora != base
+
+
+def test_lora_flags_round_trip_and_errors() -> None:
+    """The operator renders the flags with `to_cli_args`; the engine parses them back."""
+    args = ["--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+            "--max-loras", "4", "--max-lora-rank", "64"]  # fmt: skip
+    config = parse_cli_args(args)
+    assert config.lora_enabled and config.max_loras == 4 and config.max_lora_rank == 64
+    assert [parse_lora_module(m) for m in config.lora_modules] == [
+        LoraModule("a", "/x"),
+        LoraModule("b", "/y", "m"),
+    ]
+    assert parse_cli_args(to_cli_args(config)) == config
+    assert parse_cli_args(["--enable-lora"]).lora_enabled
+    assert not parse_cli_args([]).lora_enabled
+    for bad, flag in ((["--max-loras", "0"], "--max-loras"), (["--lora-modules", "x"], "NAME=PATH"),
+                      (["--lora-modules", '{"name": 1}'], "'name' and 'path'")):  # fmt: skip
+        with pytest.raises(ValueError, match=flag):
+            parse_cli_args(bad)
