@@ -34,6 +34,10 @@ ADAPTERS: list[tuple[str, int, list[str], bool]] = [
 ]
 
 
+#: (adapter or None, prompt, peft's greedy output)
+Cases = list[tuple[str | None, list[int], list[int]]]
+
+
 def _prompts(n: int, seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.choice([2, 5, 9, 17]))]
@@ -50,9 +54,7 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def cases(
-    tiny_llama_dir: Path, adapters: dict[str, Path]
-) -> list[tuple[str | None, list[int], list[int]]]:
+def cases(tiny_llama_dir: Path, adapters: dict[str, Path]) -> Cases:
     """(adapter or None, prompt, peft's greedy output): each adapter and the base."""
     names: list[str | None] = [None, *adapters]
     prompts = _prompts(len(names))
@@ -75,9 +77,7 @@ def _greedy(name: str | None) -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora_name=name)
 
 
-def test_adapters_change_the_output(
-    tiny_llama_dir: Path, cases: list[tuple[str | None, list[int], list[int]]]
-) -> None:
+def test_adapters_change_the_output(tiny_llama_dir: Path, cases: Cases) -> None:
     """The references are worth comparing against: on its prompt, each adapter moves peft's
     greedy output off the base model's."""
     for name, prompt, want in cases[1:]:
@@ -85,9 +85,7 @@ def test_adapters_change_the_output(
 
 
 def test_each_adapter_alone_matches_peft(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters)
     for name, prompt, want in cases:
@@ -95,9 +93,7 @@ def test_each_adapter_alone_matches_peft(
 
 
 def test_eight_adapters_and_base_in_one_batch(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters)
     assert engine.lora is not None
@@ -109,9 +105,7 @@ def test_eight_adapters_and_base_in_one_batch(
 
 
 def test_two_slots_load_and_evict_mid_run(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters, max_loras=2)
     assert engine.lora is not None
@@ -126,9 +120,7 @@ def test_two_slots_load_and_evict_mid_run(
 
 
 def test_missing_adapter_refused_then_served(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     """The row is refused with a typed reason (event + counters) while its adapter loads on the
     worker, the base row beside it runs meanwhile, and it is served after the load."""
@@ -174,9 +166,7 @@ def test_unknown_adapter_and_bad_folders(
 
 
 def test_unload_while_running_finishes_then_frees(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters)
     assert engine.lora is not None

@@ -5,13 +5,11 @@ segments of mixed lengths, into a column slice of a wider output."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from external_tools import require_tool
+from kernel_levels import level_kernels
 
-from mstar.kernels import cpu_isa, cpu_kernels
+from mstar.kernels import cpu_isa
 from mstar.kernels.lora import lora_add_, lora_add_torch, token_slots
 
 SLOTS, MAX_RANK, K, N, WIDTH, OFFSET = 4, 16, 72, 40, 100, 30  # K, N: no whole vector count
@@ -53,21 +51,13 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-def _kernels(level: str) -> Any:
-    require_tool("g++")
-    require_tool("ninja")
-    ext = cpu_kernels.load_level(cpu_isa.resolve(level))
-    assert ext.isa_level() == level
-    return ext
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("level", [lv.name for lv in cpu_isa.supported_levels()])
 def test_kernel_matches_reference(level: str, dtype: torch.dtype) -> None:
     x, y, a, b, ranks, scales, indptr, seg_slot = _case(dtype)
     want = _reference(x, y, a, b, scales, indptr, seg_slot)
     before = y.clone()
-    lora_add_(y, x, a, b, ranks, scales, indptr, seg_slot, OFFSET, kernels=_kernels(level))
+    lora_add_(y, x, a, b, ranks, scales, indptr, seg_slot, OFFSET, kernels=level_kernels(level))
     _close(y, want, dtype)
     base_rows = torch.repeat_interleave(seg_slot, torch.tensor(LENGTHS)) < 0
     assert torch.equal(y[base_rows], before[base_rows])  # the base rows are untouched
@@ -86,7 +76,7 @@ def test_gathered_torch_path_matches_reference(dtype: torch.dtype) -> None:
 
 def test_kernel_refuses_bad_segments() -> None:
     x, y, a, b, ranks, scales, indptr, _ = _case(torch.float32)
-    ext = _kernels(cpu_isa.supported_levels()[-1].name)
+    ext = level_kernels(cpu_isa.supported_levels()[-1].name)
     bad = torch.tensor([0, -1, 9, 3, 0, 3, -1])
     with pytest.raises(RuntimeError, match="outside"):
         ext.lora_add_(y, x, a, b, ranks, scales, indptr, bad, OFFSET)
