@@ -16,8 +16,9 @@ from models import TINY_VOCAB, build_tiny_model
 
 from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.engine.engine import LLMEngine
-from mstar.engine.lora.adapter import AdapterError
+from mstar.engine.lora.adapter import AdapterError, LoraAdapter
 from mstar.engine.lora.modules import LoraModule, parse_lora_module
+from mstar.engine.lora.pool import LoraPool
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 
 NEW_TOKENS = 12
@@ -228,3 +229,38 @@ def test_lora_flags_round_trip_and_errors() -> None:
                       (["--lora-modules", '{"name": 1}'], "'name' and 'path'")):  # fmt: skip
         with pytest.raises(ValueError, match=flag):
             parse_cli_args(bad)
+
+
+def test_pool_evicts_the_least_recently_used_idle_adapter() -> None:
+    """Slots like pages: an adapter pinned by an admitted request is never the victim; among
+    idle ones the least recently pinned goes; with every slot pinned, no load starts."""
+    written: list[tuple[int, str | None]] = []
+
+    def read(name: str, path: str) -> LoraAdapter:
+        return LoraAdapter(name, path, 1, 1.0, {})
+
+    pool = LoraPool(2, read, lambda slot, a: written.append((slot, a and a.name)))
+    for name in "abc":
+        pool.register(name, f"/{name}")
+
+    def load(name: str) -> None:
+        assert pool.start_load(name)
+        pool.wait_loads(10)
+        assert pool.status(name) == "resident"
+
+    load("a")
+    load("b")
+    assert pool.try_pin("a") and pool.try_pin("b")
+    pool.unpin("b")  # b idle, a pinned
+    pool.unpin("a")
+    assert pool.try_pin("a")  # a used again: b is now the least recently used, and idle
+    load("c")
+    assert pool.status("b") == "absent" and pool.counters.evictions == 1
+    assert written[-1] == (written[1][0], "c")  # c took b's slot
+    assert pool.try_pin("c")
+    assert not pool.start_load("b")  # a and c pinned: nothing to evict
+    pool.unregister("a")  # pinned: its slot is freed when its last request ends
+    assert pool.status("a") == "resident" and not pool.try_pin("a")
+    pool.unpin("a")
+    assert pool.status("a") == "absent" and pool.free
+    pool.close()
