@@ -239,7 +239,7 @@ def test_pool_evicts_the_least_recently_used_idle_adapter() -> None:
     def read(name: str, path: str) -> LoraAdapter:
         return LoraAdapter(name, path, 1, 1.0, {})
 
-    pool = LoraPool(2, read, lambda slot, a: written.append((slot, a and a.name)))
+    pool = LoraPool(2, read, lambda slot, a: written.append((slot, a.name if a else None)))
     for name in "abc":
         pool.register(name, f"/{name}")
 
