@@ -4,6 +4,7 @@ peft's greedy output as the reference."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def build_adapter(
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    peft_model.save_pretrained(folder)
+    peft_model.save_pretrained(str(folder))
     return folder
 
 
@@ -47,7 +48,7 @@ def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], new_tokens:
     import transformers
     from peft import PeftModel
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()

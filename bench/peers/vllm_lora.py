@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import sys
-import time
+
+from vllm_offline import timed_generate
 
 
 def main() -> None:
@@ -35,18 +36,9 @@ def main() -> None:
     llm.generate(warm, params, lora_request=adapters, use_tqdm=False)
     result: dict[str, list[float]] = {"base": [], "8 adapters": []}
     for prompts in work["batches"]:
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        for label, loras in (
-            ("base", None),
-            ("8 adapters", [adapters[i % len(adapters)] for i in range(len(batch))]),
-        ):
-            start = time.perf_counter()
-            outs = llm.generate(batch, params, lora_request=loras, use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            got = [len(o.outputs[0].token_ids) for o in outs]
-            if got != [new] * len(batch):
-                raise SystemExit(f"vLLM returned {got} tokens, expected {new} each")
-            result[label].append(sum(got) / elapsed)
+        mixed = [adapters[i % len(adapters)] for i in range(len(prompts))]
+        result["base"].append(timed_generate(llm, prompts, params, new))
+        result["8 adapters"].append(timed_generate(llm, prompts, params, new, lora_request=mixed))
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

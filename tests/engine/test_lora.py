@@ -14,9 +14,11 @@ import torch
 from lora_adapters import ALL_PROJECTIONS, build_adapter, peft_greedy
 from models import TINY_VOCAB, build_tiny_model
 
-from mstar.engine.config import EngineConfig
+from mstar.engine.config import EngineConfig, parse_cli_args, to_cli_args
 from mstar.engine.engine import LLMEngine
-from mstar.engine.lora.adapter import AdapterError
+from mstar.engine.lora.adapter import AdapterError, LoraAdapter
+from mstar.engine.lora.modules import LoraModule, parse_lora_module
+from mstar.engine.lora.pool import LoraPool
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams
 
 NEW_TOKENS = 12
@@ -31,6 +33,10 @@ ADAPTERS: list[tuple[str, int, list[str], bool]] = [
     ("r8b", 8, ALL_PROJECTIONS, True),
     ("kup", 16, ["k_proj", "up_proj"], False),
 ]
+
+
+#: (adapter or None, prompt, peft's greedy output)
+Cases = list[tuple[str | None, list[int], list[int]]]
 
 
 def _prompts(n: int, seed: int = 3) -> list[list[int]]:
@@ -49,9 +55,7 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def cases(
-    tiny_llama_dir: Path, adapters: dict[str, Path]
-) -> list[tuple[str | None, list[int], list[int]]]:
+def cases(tiny_llama_dir: Path, adapters: dict[str, Path]) -> Cases:
     """(adapter or None, prompt, peft's greedy output): each adapter and the base."""
     names: list[str | None] = [None, *adapters]
     prompts = _prompts(len(names))
@@ -74,9 +78,7 @@ def _greedy(name: str | None) -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora_name=name)
 
 
-def test_adapters_change_the_output(
-    tiny_llama_dir: Path, cases: list[tuple[str | None, list[int], list[int]]]
-) -> None:
+def test_adapters_change_the_output(tiny_llama_dir: Path, cases: Cases) -> None:
     """The references are worth comparing against: on its prompt, each adapter moves peft's
     greedy output off the base model's."""
     for name, prompt, want in cases[1:]:
@@ -84,9 +86,7 @@ def test_adapters_change_the_output(
 
 
 def test_each_adapter_alone_matches_peft(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters)
     for name, prompt, want in cases:
@@ -94,9 +94,7 @@ def test_each_adapter_alone_matches_peft(
 
 
 def test_eight_adapters_and_base_in_one_batch(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters)
     assert engine.lora is not None
@@ -108,9 +106,7 @@ def test_eight_adapters_and_base_in_one_batch(
 
 
 def test_two_slots_load_and_evict_mid_run(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters, max_loras=2)
     assert engine.lora is not None
@@ -125,9 +121,7 @@ def test_two_slots_load_and_evict_mid_run(
 
 
 def test_missing_adapter_refused_then_served(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     """The row is refused with a typed reason (event + counters) while its adapter loads on the
     worker, the base row beside it runs meanwhile, and it is served after the load."""
@@ -173,9 +167,7 @@ def test_unknown_adapter_and_bad_folders(
 
 
 def test_unload_while_running_finishes_then_frees(
-    tiny_llama_dir: Path,
-    adapters: dict[str, Path],
-    cases: list[tuple[str | None, list[int], list[int]]],
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:
     engine = _engine(tiny_llama_dir, adapters)
     assert engine.lora is not None
@@ -218,3 +210,57 @@ def test_bf16_serves_adapters(tiny_llama_dir: Path, adapters: dict[str, Path]) -
     lora = engine.generate(prompts, _greedy("r64"))
     base = engine.generate(prompts, _greedy(None))
     assert all(len(o) == NEW_TOKENS for o in lora) and lora != base
+
+
+def test_lora_flags_round_trip_and_errors() -> None:
+    """The operator renders the flags with `to_cli_args`; the engine parses them back."""
+    args = ["--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+            "--max-loras", "4", "--max-lora-rank", "64"]  # fmt: skip
+    config = parse_cli_args(args)
+    assert config.lora_enabled and config.max_loras == 4 and config.max_lora_rank == 64
+    assert [parse_lora_module(m) for m in config.lora_modules] == [
+        LoraModule("a", "/x"),
+        LoraModule("b", "/y", "m"),
+    ]
+    assert parse_cli_args(to_cli_args(config)) == config
+    assert parse_cli_args(["--enable-lora"]).lora_enabled
+    assert not parse_cli_args([]).lora_enabled
+    for bad, flag in ((["--max-loras", "0"], "--max-loras"), (["--lora-modules", "x"], "NAME=PATH"),
+                      (["--lora-modules", '{"name": 1}'], "'name' and 'path'")):  # fmt: skip
+        with pytest.raises(ValueError, match=flag):
+            parse_cli_args(bad)
+
+
+def test_pool_evicts_the_least_recently_used_idle_adapter() -> None:
+    """Slots like pages: an adapter pinned by an admitted request is never the victim; among
+    idle ones the least recently pinned goes; with every slot pinned, no load starts."""
+    written: list[tuple[int, str | None]] = []
+
+    def read(name: str, path: str) -> LoraAdapter:
+        return LoraAdapter(name, path, 1, 1.0, {})
+
+    pool = LoraPool(2, read, lambda slot, a: written.append((slot, a.name if a else None)))
+    for name in "abc":
+        pool.register(name, f"/{name}")
+
+    def load(name: str) -> None:
+        assert pool.start_load(name)
+        pool.wait_loads(10)
+        assert pool.status(name) == "resident"
+
+    load("a")
+    load("b")
+    assert pool.try_pin("a") and pool.try_pin("b")
+    pool.unpin("b")  # b idle, a pinned
+    pool.unpin("a")
+    assert pool.try_pin("a")  # a used again: b is now the least recently used, and idle
+    load("c")
+    assert pool.status("b") == "absent" and pool.counters.evictions == 1
+    assert written[-1] == (written[1][0], "c")  # c took b's slot
+    assert pool.try_pin("c")
+    assert not pool.start_load("b")  # a and c pinned: nothing to evict
+    pool.unregister("a")  # pinned: its slot is freed when its last request ends
+    assert pool.status("a") == "resident" and not pool.try_pin("a")
+    pool.unpin("a")
+    assert pool.status("a") == "absent" and pool.free
+    pool.close()

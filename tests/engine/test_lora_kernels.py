@@ -5,13 +5,11 @@ segments of mixed lengths, into a column slice of a wider output."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from external_tools import require_tool
+from kernel_levels import level_kernels
 
-from mstar.kernels import cpu_isa, cpu_kernels
+from mstar.kernels import cpu_isa
 from mstar.kernels.lora import lora_add_, lora_add_torch, token_slots
 
 SLOTS, MAX_RANK, K, N, WIDTH, OFFSET = 4, 16, 72, 40, 100, 30  # K, N: no whole vector count
@@ -36,7 +34,8 @@ def _case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return x, y, a.to(dtype), b.to(dtype), ranks, scales, indptr, torch.tensor(SEG_SLOTS)
 
 
-def _reference(x, y, a, b, scales, indptr, seg_slot) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _reference(*case: torch.Tensor) -> torch.Tensor:
+    x, y, a, b, scales, indptr, seg_slot = case
     out = y.double().clone()
     for g, s in enumerate(seg_slot.tolist()):
         if s < 0:
@@ -47,16 +46,9 @@ def _reference(x, y, a, b, scales, indptr, seg_slot) -> torch.Tensor:  # type: i
     return out
 
 
-def _tolerance(dtype: torch.dtype) -> dict[str, float]:
-    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
-
-
-def _kernels(level: str) -> Any:
-    require_tool("g++")
-    require_tool("ninja")
-    ext = cpu_kernels.load_level(cpu_isa.resolve(level))
-    assert ext.isa_level() == level
-    return ext
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,8 +57,8 @@ def test_kernel_matches_reference(level: str, dtype: torch.dtype) -> None:
     x, y, a, b, ranks, scales, indptr, seg_slot = _case(dtype)
     want = _reference(x, y, a, b, scales, indptr, seg_slot)
     before = y.clone()
-    lora_add_(y, x, a, b, ranks, scales, indptr, seg_slot, OFFSET, kernels=_kernels(level))
-    torch.testing.assert_close(y.double(), want, **_tolerance(dtype))
+    lora_add_(y, x, a, b, ranks, scales, indptr, seg_slot, OFFSET, kernels=level_kernels(level))
+    _close(y, want, dtype)
     base_rows = torch.repeat_interleave(seg_slot, torch.tensor(LENGTHS)) < 0
     assert torch.equal(y[base_rows], before[base_rows])  # the base rows are untouched
     outside = torch.ones(WIDTH, dtype=torch.bool)
@@ -79,12 +71,12 @@ def test_gathered_torch_path_matches_reference(dtype: torch.dtype) -> None:
     x, y, a, b, _, scales, indptr, seg_slot = _case(dtype)
     want = _reference(x, y, a, b, scales, indptr, seg_slot)
     lora_add_torch(y, x, a, b, scales, token_slots(indptr, seg_slot, x.device), OFFSET)
-    torch.testing.assert_close(y.double(), want, **_tolerance(dtype))
+    _close(y, want, dtype)
 
 
 def test_kernel_refuses_bad_segments() -> None:
     x, y, a, b, ranks, scales, indptr, _ = _case(torch.float32)
-    ext = _kernels(cpu_isa.supported_levels()[-1].name)
+    ext = level_kernels(cpu_isa.supported_levels()[-1].name)
     bad = torch.tensor([0, -1, 9, 3, 0, 3, -1])
     with pytest.raises(RuntimeError, match="outside"):
         ext.lora_add_(y, x, a, b, ranks, scales, indptr, bad, OFFSET)
