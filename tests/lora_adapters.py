@@ -4,6 +4,7 @@ peft's greedy output as the reference."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,24 +37,24 @@ def build_adapter(
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    peft_model.save_pretrained(folder)
+    peft_model.save_pretrained(str(folder))
     return folder
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers + peft greedy decoding of ``prompt`` in float32 (the base alone when
-    ``adapter`` is None)."""
+    ``adapter`` is None): an argmax loop over the whole sequence each token, never stopping at
+    EOS (the engine runs these with `ignore_eos`)."""
     import transformers
     from peft import PeftModel
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            pad_token_id=0,
-        )  # fmt: skip
-    return [int(t) for t in out[0, len(prompt) :]]
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            logits = model(input_ids=torch.tensor([tokens])).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt) :]

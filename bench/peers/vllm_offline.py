@@ -14,6 +14,23 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
+
+
+def timed_generate(llm: Any, prompts: list[list[int]], params: Any, new: int, **kw: Any) -> float:
+    """Output tok/s of one `LLM.generate` over token-id prompts (``kw``: e.g. its
+    ``lora_request``); every request must return exactly ``new`` tokens."""
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, **kw
+    )
+    elapsed = time.perf_counter() - start
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    if got != [new] * len(prompts):
+        raise SystemExit(f"vLLM returned {got} tokens, expected {new} each")
+    return sum(got) / elapsed
 
 
 def main() -> None:
@@ -36,15 +53,7 @@ def main() -> None:
     for batch, repeats in work["batches"].items():
         result[batch] = []
         for prompts in repeats:
-            start = time.perf_counter()
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-            )
-            elapsed = time.perf_counter() - start
-            got = [len(o.outputs[0].token_ids) for o in outs]
-            if got != [new] * len(prompts):
-                raise SystemExit(f"vLLM returned {got} tokens, expected {new} each")
-            result[batch].append(sum(got) / elapsed)
+            result[batch].append(timed_generate(llm, prompts, params, new))
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
 

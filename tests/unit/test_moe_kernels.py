@@ -7,14 +7,12 @@ experts receive no token and one receives every token.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
-from external_tools import require_tool
+from kernel_levels import level_kernels
 
-from mstar.kernels import cpu_isa, cpu_kernels
+from mstar.kernels import cpu_isa
 from mstar.kernels.moe_experts import CpuExperts, ExpertAct, ExpertActivation, grouped_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 72, 40, 6, 2  # neither a whole number of 16- or 32-wide panels
@@ -31,14 +29,6 @@ def _layouts() -> list[tuple[str, torch.dtype, str]]:
         if "amx_tile" in level.requires:
             cases.append((level.name, torch.bfloat16, "amx"))
     return cases
-
-
-def _kernels(level: str) -> Any:
-    require_tool("g++")
-    require_tool("ninja")
-    ext = cpu_kernels.load_level(cpu_isa.resolve(level))
-    assert ext.isa_level() == level
-    return ext
 
 
 def _routing(kind: str, tokens: int, gen: torch.Generator) -> torch.Tensor:
@@ -92,7 +82,7 @@ def _weights(dtype: torch.dtype, bias: bool, gen: torch.Generator) -> tuple[torc
 @pytest.mark.parametrize("tokens", [1, 13, 150])
 @pytest.mark.parametrize(("level", "dtype", "layout"), _layouts())
 def test_grouped_experts_match_torch(level, dtype, layout, tokens, routing) -> None:
-    kernels = _kernels(level)
+    kernels = level_kernels(level)
     pack = {"fma": kernels.fma_pack_weight, "dpbf16": kernels.dpbf16_pack_weight}.get(
         layout, kernels.amx_pack_weight
     )
@@ -116,7 +106,7 @@ def test_grouped_experts_match_torch(level, dtype, layout, tokens, routing) -> N
 def test_the_bits_do_not_depend_on_the_thread_count(dtype) -> None:
     """Each token's choices are summed in choice order, and each expert's rows go through one
     GEMM whatever thread runs it: 1 and 2 threads give the same bits."""
-    kernels = _kernels(cpu_isa.supported_levels()[-1].name)
+    kernels = level_kernels(cpu_isa.supported_levels()[-1].name)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, HIDDEN, generator=gen).to(dtype)
     ids = _routing("all", 64, gen)
@@ -137,7 +127,7 @@ def test_the_bits_do_not_depend_on_the_thread_count(dtype) -> None:
 def test_the_torch_paths_match_the_kernel(grouped_mm: bool) -> None:
     """torch's grouped GEMM (CUDA's path, run here on CPU) and the per-expert ``mm`` loop (CPU
     without the kernels) on the same float32 weights, idle experts and a hot one included."""
-    kernels = _kernels(cpu_isa.supported_levels()[-1].name)
+    kernels = level_kernels(cpu_isa.supported_levels()[-1].name)
     gen = torch.Generator().manual_seed(1)
     for routing in ("spread", "idle", "all"):
         x = torch.randn(37, HIDDEN, generator=gen)
@@ -150,7 +140,7 @@ def test_the_torch_paths_match_the_kernel(grouped_mm: bool) -> None:
 
 
 def test_bad_inputs_are_refused_by_name() -> None:
-    kernels = _kernels(cpu_isa.supported_levels()[-1].name)
+    kernels = level_kernels(cpu_isa.supported_levels()[-1].name)
     gen = torch.Generator().manual_seed(2)
     experts = CpuExperts.pack(kernels, *_weights(torch.float32, False, gen), ExpertAct())
     x = torch.randn(3, HIDDEN)

@@ -327,6 +327,7 @@ class Scheduler:
             return [r for r in rows if r.request is not culprit]
         self._event(blamed, "admit_refused", now, attrs)
         if not isinstance(reason, AllocationFailed | RequestOffloading):
+            blamed.hold_until = now + getattr(reason, "retry_after", 0.0)  # (adapter loads)
             return rows[:index] + rows[index + 1 :]  # any other refusal: push back, retry
         if isinstance(reason, RequestOffloading):
             if (

@@ -38,6 +38,8 @@
   no bf16 dot products (AVX2): bf16 weights widened to float32 in registers, FMA accumulation;
   and for float32 weights on every CPU with FMA (1.5-2x oneDNN's packed float32 kernel at 1-16
   rows on a 2-core Zen 5).
+- ``lora_add_``: batched LoRA updates of a step's rows, each segment of rows with its adapter
+  slot's A and B (`mstar.kernels.lora`).
 - ``decode_layers``: every decoder layer of a decode step in one call, over the kernels
   above in the order `DecoderLayer.forward` calls them (the same bits): at batch 1 the ~25
   Python dispatches per layer around them were ~15% of a step.

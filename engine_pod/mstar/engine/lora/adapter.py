@@ -93,7 +93,9 @@ def load_adapter(
         raise AdapterError(f"{path}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise AdapterError(f"{path}: rank {rank} is over --max-lora-rank {max_rank}")
-    alpha = float(config.get("lora_alpha", rank))  # type: ignore[arg-type]
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, int | float):
+        raise AdapterError(f"{path}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     try:

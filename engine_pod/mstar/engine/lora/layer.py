@@ -85,14 +85,13 @@ class LoraRows:
         return full if int(full.indptr[-1]) == n else self.kept
 
 
-class LoraSlice(nn.Module):
+class LoraSlice:
     """One output part of a projection: every slot's A, B^T, rank and scale."""
 
     def __init__(
         self, slots: int, rank: int, in_features: int, out_features: int, offset: int,
         dtype: torch.dtype, device: torch.device,
     ) -> None:  # fmt: skip
-        super().__init__()
         self.offset = offset
         self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(slots, rank, out_features, dtype=dtype, device=device)
@@ -128,10 +127,10 @@ class LoraLinear(nn.Module):
         self.rows = rows
         parts = spec.parts or (spec.out_features,)
         offsets = [sum(parts[:i]) for i in range(len(parts))]
-        self.slices = nn.ModuleList(
+        self.slices = [
             LoraSlice(slots, max_rank, spec.in_features, n, off, dtype, device)
             for n, off in zip(parts, offsets, strict=True)
-        )
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base.forward(x)

@@ -24,9 +24,7 @@ class LoraManager:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.rows = LoraRows(decoder.device)
-        self.rows.kernels = (
-            decoder.cpu_kernels if hasattr(decoder.cpu_kernels, "lora_add_") else None
-        )
+        self.rows.kernels = decoder.cpu_kernels
         linears = decoder.linears
         previous = linears.picker
         decoder.linears.finalize(
@@ -35,11 +33,11 @@ class LoraManager:
                 previous(spec), self.rows, max_loras, max_rank, decoder.dtype
             ),
         )
-        self.modules: dict[str, LoraLinear] = {
-            name: decoder.get_submodule(name)  # type: ignore[misc]
-            for name in linears.specs
-            if isinstance(decoder.get_submodule(name), LoraLinear)
-        }
+        self.modules: dict[str, LoraLinear] = {}
+        for name in linears.specs:
+            module = decoder.get_submodule(name)
+            if isinstance(module, LoraLinear):
+                self.modules[name] = module
         self.shapes = {
             name: ProjectionShape(m.spec.in_features, m.spec.parts or (m.spec.out_features,))
             for name, m in self.modules.items()
@@ -58,7 +56,7 @@ class LoraManager:
                 for part, piece in enumerate(module.slices):
                     pair = None if adapter is None else adapter.weights.get((name, part))
                     scale = 0.0 if adapter is None else adapter.scaling
-                    piece.write(slot, pair, scale)  # type: ignore[operator]
+                    piece.write(slot, pair, scale)
 
     def register_modules(self, entries: list[str]) -> None:
         """``--lora-modules``: register each (a bad folder fails the start, naming it)."""

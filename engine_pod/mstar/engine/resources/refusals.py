@@ -25,7 +25,7 @@ class RequestRejected(AdmitRuntimeError):
 def reason_name(reason: AdmitFailedReason | None) -> str:
     """The refusal's kind as metrics and events name it: the seed class it is an instance of
     (`RequestRejected` counts as `AdmitRuntimeError`), else its own class name."""
-    for cls in type(reason).__mro__:
+    for cls in type(reason).__mro__[:-2]:  # (not the bare AdmitFailedReason, nor object)
         if cls.__module__ == AdmitRuntimeError.__module__:
             return cls.__name__
     return type(reason).__name__

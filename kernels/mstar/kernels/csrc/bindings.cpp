@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "lora_ops.h"
 #include "moe_ops.h"
 
 namespace {
@@ -459,6 +460,7 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(quant_linear);
   MSTAR_DEF(quant_dequantize_);
   MSTAR_DEF(moe_experts);
+  MSTAR_DEF(lora_add_);
 #undef MSTAR_DEF
 }
 
