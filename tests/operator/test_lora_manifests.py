@@ -1,8 +1,7 @@
 """spec.adapters without a cluster: the CRD's checks, what reaches the pod (and what must not),
-the endpoint picker's LoRA affinity config, and the adapter sync against an engine stand-in.
-
-The sync's stand-in speaks the engine's admin routes as vLLM shapes them; the real engine behind
-the real picker on the real control plane is tests/operator/test_lora_cluster.py.
+the endpoint picker's LoRA affinity config, and the adapter sync against an engine stand-in
+(failures, status, events) and against the real engine server in process (real PEFT folders).
+The real engines behind the real picker on the real control plane: test_lora_cluster.py.
 """
 
 from __future__ import annotations
@@ -11,12 +10,16 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from crd_schema import admit
+from live_server import LiveServer, make_engine
+from lora_adapters import build_adapter
 from op_harness import ROOT
+from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.engine.config import parse_cli_args
 from mstar.operator import adapter_sync, router
@@ -371,3 +374,44 @@ def test_status_names_the_pods_holding_each_adapter_and_warns_once_per_failure(
     queries = engine.queries
     assert adapter_sync.sync_adapters(kube, kube.cr) == []  # type: ignore[arg-type]
     assert engine.queries == queries  # nothing to hold, nothing held: not even a query
+
+
+# The same sync against the real engine server (in process) and real PEFT adapters.
+
+
+@pytest.fixture(scope="module")
+def peft_folders(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("peft")
+    ranks = {"sql": 8, "chat": 8, "wide": 16}  # wide: above the engine's --max-lora-rank 8
+    return {
+        name: build_adapter(tiny_llama_dir, root / name, rank=rank, seed=seed)
+        for seed, (name, rank) in enumerate(ranks.items(), start=1)
+    }
+
+
+def test_the_sync_drives_the_real_engine_and_its_gauge_is_the_pickers(
+    tiny_llama_dir: Path, peft_folders: dict[str, Path]
+) -> None:
+    engine = make_engine(tiny_llama_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    with LiveServer(engine) as live:
+        desired = {"sql": str(peft_folders["sql"]), "wide": str(peft_folders["wide"])}
+        first = adapter_sync.sync_pod("p1", live.url, desired)
+        assert first.held == {"sql"}
+        assert first.failed["wide"].startswith(f"p1: load {peft_folders['wide']}: 400: ")
+        assert adapter_sync.held_adapters(live.url) == {"sql": str(peft_folders["sql"])}
+
+        def text(model: str) -> str:
+            body = {"model": model, "prompt": "w5 w6 w7", "max_tokens": 6, "temperature": 0}
+            return str(live.post("/v1/completions", body)["choices"][0]["text"])
+
+        assert text("sql") != text("tiny")  # the adapter is applied
+        second = adapter_sync.sync_pod("p1", live.url, {"chat": str(peft_folders["chat"])})
+        assert second.held == {"chat"} and second.failed == {}
+        assert [e[1] for e in second.done] == ["AdapterUnloaded", "AdapterLoaded"]
+        assert set(adapter_sync.held_adapters(live.url)) == {"chat"}
+        status, metrics = live.get("/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    (sample,) = families[router.LORA_METRIC].samples
+    assert set(sample.labels) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
+    assert sample.labels["max_lora"] == "1"
