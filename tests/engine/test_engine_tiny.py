@@ -94,8 +94,14 @@ def test_step_budget_defaults_to_the_cpu_values_and_a_flag_wins(tiny_llama_dir: 
         return counts
 
     def engine(serving: bool, **kw: object) -> LLMEngine:
+        # Synchronous loop: the overlap loop delivers each step's tokens one call later.
         cfg = EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", device="cpu", num_pages=512, **kw
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            device="cpu",
+            num_pages=512,
+            async_scheduling=False,
+            **kw,
         )  # type: ignore[arg-type]
         return LLMEngine.from_config(cfg, serving=serving)
 

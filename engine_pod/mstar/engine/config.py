@@ -128,6 +128,15 @@ class EngineConfig:
             "either way."
         ),
     )
+    async_scheduling: bool = field(
+        default=True,
+        metadata=_flag(
+            "Overlap loop: schedule and launch step N+1 before reading step N's tokens, which "
+            "feed it from the device; the host reads tokens one step late (stops, max tokens "
+            "and aborts stay exact: a finished request's extra token is discarded). "
+            "--no-async-scheduling waits for every step's tokens first."
+        ),
+    )
     eviction_policy: str = field(
         default="lru", metadata=_flag("Victim choice on KV shortage.", choices=EVICTION_POLICIES)
     )

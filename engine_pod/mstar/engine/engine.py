@@ -24,6 +24,7 @@ from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model_runner import ModelRunner
 from mstar.engine.outputs import RequestOutput
+from mstar.engine.overlap import OverlapLoop
 from mstar.engine.request import Request
 from mstar.engine.resource_keys import ATTN, KV, ROPE, SAMPLER
 from mstar.engine.resources.attention import AttentionResource
@@ -134,8 +135,14 @@ class LLMEngine:
             }
         )
         self.model_runner = ModelRunner(
-            decoder, self.runner, sampler, device, preplan=config.enable_preplan
+            decoder,
+            self.runner,
+            sampler,
+            device,
+            preplan=config.enable_preplan,
+            overlap=config.async_scheduling,
         )
+        self.overlap = OverlapLoop(self) if config.async_scheduling else None
         self.scheduler = Scheduler(
             self.runner,
             self.kv,
@@ -241,6 +248,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the progress of every request that moved or ended."""
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self.scheduler.schedule()
         if batch is None:
             return self.scheduler.update(None, None)
