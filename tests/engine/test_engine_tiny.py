@@ -133,7 +133,9 @@ def test_adaptive_budget_learns_from_steps_and_stays_exact(
     executed = []
     execute = engine.model_runner.execute
     monkeypatch.setattr(
-        engine.model_runner, "execute", lambda batch: executed.append(batch) or execute(batch)
+        engine.model_runner,
+        "execute",
+        lambda batch, *prev: executed.append(batch) or execute(batch, *prev),
     )
     assert engine.generate(_prompts(), GREEDY) == reference
     assert budget.model.steps == len(executed) > 0
@@ -143,8 +145,15 @@ def test_adaptive_budget_learns_from_steps_and_stays_exact(
 def test_a_wave_at_an_idle_engine_is_prefilled_in_one_step(tiny_llama_dir: Path) -> None:
     """Behind the server, prompts arriving together at an idle engine all prefill in its first
     step (they fit the cap); a prompt arriving after the wave was prefilled, beside streams
-    decoding, is no wave: the budget sees ``wave`` false (the stall bound applies to it)."""
-    cfg = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_pages=512)
+    decoding, is no wave: the budget sees ``wave`` false (the stall bound applies to it).
+    The synchronous loop: each step is committed before the state below is read."""
+    cfg = EngineConfig(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        device="cpu",
+        num_pages=512,
+        async_scheduling=False,
+    )
     engine = LLMEngine.from_config(cfg, serving=True)
     budget = engine.scheduler.step_budget
     assert budget is not None

@@ -129,21 +129,17 @@ class OverlapLoop:
             eng.executed_steps += 1
             started = time.perf_counter()
             result = eng.model_runner.execute(batch, prev)
-            if result.error is not None:
-                scheduler.fail_step(batch, result.error)
-            elif result.sampled is not None and result.sampled.deferred:
+            if result.error is None and result.sampled is not None and result.sampled.deferred:
                 launched = InFlight(
                     batch, result, TokenReadback(result.sampled.token_tensor), started
                 )
                 self._reserve(batch, eng.max_model_len)
-            else:  # its tokens are on the host already: deliver in step order
+            else:  # failed, or its tokens are on the host already: settle in step order
                 if prev is not None:
                     self._deliver(prev)
                     prev = None
                 scheduler.observe_cost(batch, time.perf_counter() - started)
-                scheduler.commit(batch, result)
-                if (s := result.sampled) is not None:
-                    scheduler.apply_sampled(batch, s.token_ids, s.logprobs, s.ended)
+                scheduler.settle(batch, result)
         if prev is not None:
             self._deliver(prev)
         self.inflight = launched

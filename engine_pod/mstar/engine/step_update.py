@@ -44,20 +44,22 @@ class StepUpdate:
     ) -> list[RequestOutput]:
         """Commit the executed step, record sampled tokens, end what stopped; the outputs."""
         if batch is not None and result is not None:
-            if result.error is not None:
-                self.fail_step(batch, result.error)
-            else:
-                self.commit(batch, result)
-                if result.sampled is not None:
-                    s = result.sampled
-                    self.apply_sampled(batch, s.token_ids, s.logprobs, s.ended)
+            self.settle(batch, result)
         return self.collect_outputs()
 
-    def fail_step(self, batch: ScheduledBatch, error: RequestError) -> None:
-        self.runner.abort_step(batch.step)
-        for r in batch.rows:
-            if not r.request.finished:
-                self._finish(r.request, FinishReason.ERROR, error)
+    def settle(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Commit and deliver a step at once (its tokens read now if still on the device),
+        or fail its requests when it failed."""
+        if result.error is not None:
+            self.runner.abort_step(batch.step)
+            for r in batch.rows:
+                if not r.request.finished:
+                    self._finish(r.request, FinishReason.ERROR, result.error)
+            return
+        self.commit(batch, result)
+        if (s := result.sampled) is not None:
+            ids = s.token_tensor.tolist() if s.deferred else s.token_ids
+            self.apply_sampled(batch, ids, s.logprobs, s.ended)
 
     def commit(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Advance every resource past the executed step (lengths; no token value needed)."""
