@@ -18,6 +18,7 @@ import torch
 from mstar.engine.config import EngineConfig
 from mstar.engine.deterministic import check_head_dim, deterministic_setup
 from mstar.engine.model.config import ModelConfig
+from mstar.engine.model.cuda_ops import attach_fused_glue_ops
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
@@ -181,6 +182,7 @@ class LLMEngine:
         )
         if config.deterministic:
             check_head_dim(device, model_config.head_dim)
+        attach_fused_glue_ops(decoder, device, dtype, config.deterministic)
         bytes_per_page = (
             model_config.kv_elements_per_token
             * config.page_size
