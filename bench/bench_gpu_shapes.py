@@ -117,7 +117,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
+def timed(fn: Callable[[], object], steps: int, device: torch.device) -> float:
     """ms per call of ``fn`` over ``steps`` calls (CUDA events on CUDA)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -135,7 +135,7 @@ def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
 
 
 def profile_kernels(
-    fn: Callable[[], None], steps: int, device: torch.device
+    fn: Callable[[], object], steps: int, device: torch.device
 ) -> tuple[float, float]:
     """(kernels a step, device-busy ms a step) from torch.profiler; CPU: (ops, op ms)."""
     from torch.profiler import ProfilerActivity, profile

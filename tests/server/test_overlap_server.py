@@ -69,9 +69,9 @@ def test_concurrent_streams_match_the_sync_loop(
         if i == 0:  # a stop string: cut before it, counted in usage
             body.update(max_tokens=NEW, stop=[f"w{ref[stop_at]}"])
             expected.append((_words(ref[:stop_at]), "stop", stop_at + 1))
-        elif i == 1:  # a stop id
+        elif i == 1:  # a stop id: its own text is shown (not a stop string)
             body.update(max_tokens=NEW, stop_token_ids=[ref[stop_at]])
-            expected.append((_words(ref[:stop_at]), "stop", stop_at + 1))
+            expected.append((_words(ref[: stop_at + 1]), "stop", stop_at + 1))
         else:  # max tokens, short and long
             n = 3 if i == 2 else NEW
             body.update(max_tokens=n)
