@@ -46,6 +46,10 @@ def _engine(folder: Path, **kw: object) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
+def _sync_engine(folder: Path, **kw: object) -> LLMEngine:
+    return _engine(folder, async_scheduling=False, **kw)
+
+
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -319,7 +323,8 @@ def test_request_offloading_parks_without_evicting_then_finishes_exactly(
 ) -> None:
     prompts = [list(range(3, 20)), list(range(30, 41))]
     expected = hf_greedy(tiny_llama_dir, prompts, 12)
-    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    # State set by hand between steps: the synchronous loop (nothing in flight).
+    engine = _sync_engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine.add_request("a", prompts[0], params)
     engine.add_request("b", prompts[1], params)
@@ -365,7 +370,8 @@ def test_a_step_whose_rows_all_wait_on_a_copy_waits_for_it_instead_of_spinning(
     """The only request's KV is on the move: each step waits up to COPY_WAIT_SECONDS for the
     copy. Returning at once spun the engine loop on refusals, taking the KV lock the copy needs
     to land faster than the copy thread got it: requests stuck for minutes under load."""
-    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    # State set by hand between steps: the synchronous loop (nothing in flight).
+    engine = _sync_engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)
     engine.step()
@@ -390,7 +396,8 @@ def test_a_step_whose_rows_are_all_held_sleeps_to_the_hold_end_instead_of_spinni
     """The only request sits in a hold window (as after an eviction) and no copy moves: each
     step sleeps toward the window's end (at most COPY_WAIT_SECONDS) instead of returning at
     once (millions of empty steps under memory pressure), and the request goes on after it."""
-    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=0)
+    # State set by hand between steps: the synchronous loop (nothing in flight).
+    engine = _sync_engine(tiny_llama_dir, num_pages=64, host_offload_gb=0)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)
     engine.step()
