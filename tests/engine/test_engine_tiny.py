@@ -46,8 +46,14 @@ def _engine(folder: Path, **kw: object) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
-def _sync_engine(folder: Path, **kw: object) -> LLMEngine:
-    return _engine(folder, async_scheduling=False, **kw)
+def _sync_engine(folder: Path, serving: bool = False, **kw: object) -> LLMEngine:
+    """The synchronous loop (tests that read or set state between steps), 512 pages unless
+    told otherwise, ``serving``: the budget defaults behind the server."""
+    cfg: dict[str, object] = dict(
+        model=str(folder), dtype="float32", device="cpu", num_pages=512, async_scheduling=False
+    )
+    cfg.update(kw)
+    return LLMEngine.from_config(EngineConfig(**cfg), serving=serving)  # type: ignore[arg-type]
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -99,15 +105,7 @@ def test_step_budget_defaults_to_the_cpu_values_and_a_flag_wins(tiny_llama_dir: 
 
     def engine(serving: bool, **kw: object) -> LLMEngine:
         # Synchronous loop: the overlap loop delivers each step's tokens one call later.
-        cfg = EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="float32",
-            device="cpu",
-            num_pages=512,
-            async_scheduling=False,
-            **kw,
-        )  # type: ignore[arg-type]
-        return LLMEngine.from_config(cfg, serving=serving)
+        return _sync_engine(tiny_llama_dir, serving, **kw)
 
     offline, served = engine(False), engine(True, step_budget="fixed")
     assert offline.scheduler.config.max_num_batched_tokens == DEFAULT_BATCHED_TOKENS == 2048
@@ -151,14 +149,7 @@ def test_a_wave_at_an_idle_engine_is_prefilled_in_one_step(tiny_llama_dir: Path)
     step (they fit the cap); a prompt arriving after the wave was prefilled, beside streams
     decoding, is no wave: the budget sees ``wave`` false (the stall bound applies to it).
     The synchronous loop: each step is committed before the state below is read."""
-    cfg = EngineConfig(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        device="cpu",
-        num_pages=512,
-        async_scheduling=False,
-    )
-    engine = LLMEngine.from_config(cfg, serving=True)
+    engine = _sync_engine(tiny_llama_dir, True)
     budget = engine.scheduler.step_budget
     assert budget is not None
     waves: list[bool] = []
@@ -324,7 +315,9 @@ def test_request_offloading_parks_without_evicting_then_finishes_exactly(
     prompts = [list(range(3, 20)), list(range(30, 41))]
     expected = hf_greedy(tiny_llama_dir, prompts, 12)
     # State set by hand between steps: the synchronous loop (nothing in flight).
-    engine = _sync_engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    engine = _sync_engine(
+        tiny_llama_dir, page_size=4, seed=0, num_pages=64, host_offload_gb=32 * 2048 / 2**30
+    )
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine.add_request("a", prompts[0], params)
     engine.add_request("b", prompts[1], params)
@@ -371,7 +364,9 @@ def test_a_step_whose_rows_all_wait_on_a_copy_waits_for_it_instead_of_spinning(
     copy. Returning at once spun the engine loop on refusals, taking the KV lock the copy needs
     to land faster than the copy thread got it: requests stuck for minutes under load."""
     # State set by hand between steps: the synchronous loop (nothing in flight).
-    engine = _sync_engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    engine = _sync_engine(
+        tiny_llama_dir, page_size=4, seed=0, num_pages=64, host_offload_gb=32 * 2048 / 2**30
+    )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)
     engine.step()
@@ -397,7 +392,7 @@ def test_a_step_whose_rows_are_all_held_sleeps_to_the_hold_end_instead_of_spinni
     step sleeps toward the window's end (at most COPY_WAIT_SECONDS) instead of returning at
     once (millions of empty steps under memory pressure), and the request goes on after it."""
     # State set by hand between steps: the synchronous loop (nothing in flight).
-    engine = _sync_engine(tiny_llama_dir, num_pages=64, host_offload_gb=0)
+    engine = _sync_engine(tiny_llama_dir, page_size=4, seed=0, num_pages=64, host_offload_gb=0)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)
     engine.step()
