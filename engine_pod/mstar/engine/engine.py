@@ -4,7 +4,8 @@ The `Scheduler` owns admission (declare, admit through the `StepRunner`, answer 
 evicting, parking or failing, reload); the `ModelRunner` turns the admitted step into tensors
 and runs the decoder and sampler; `Scheduler.update` commits it and produces the outputs. The
 engine only builds these parts and checks requests at the door. It is single-threaded: the
-server drives it from one thread.
+server drives it from one thread. With `EngineConfig.async_scheduling` (the default) the
+`OverlapLoop` runs the same three calls with each step's tokens read one step late.
 """
 
 from __future__ import annotations
