@@ -24,7 +24,7 @@ def build(mode: str, max_num_seqs: int) -> LLMEngine:
     kw: dict[str, object] = {"device": "cpu", "max_num_seqs": max_num_seqs}
     if mode != "main":
         assert "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
-        kw["async_scheduling"] = mode == "overlap"
+        kw["async_scheduling"] = "on" if mode == "overlap" else "off"
     return LLMEngine.from_config(EngineConfig(**kw))  # type: ignore[arg-type]
 
 

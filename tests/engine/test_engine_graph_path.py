@@ -56,7 +56,7 @@ def test_padded_graph_path_matches_eager_tokens(tiny_llama_dir: Path) -> None:
 
 def test_padded_rows_write_only_the_sink_page(tiny_llama_dir: Path) -> None:
     # Driven step by step below: the synchronous loop leaves nothing in flight between steps.
-    engine = _with_padded_graph_path(_engine(tiny_llama_dir, async_scheduling=False))
+    engine = _with_padded_graph_path(_engine(tiny_llama_dir, async_scheduling="off"))
     for i, prompt in enumerate(PROMPTS[:3]):  # 3 rows -> bucket 4, one pad row
         engine.add_request(f"r{i}", prompt, GREEDY)
     while any(

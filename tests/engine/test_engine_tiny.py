@@ -50,7 +50,7 @@ def _sync_engine(folder: Path, serving: bool = False, **kw: object) -> LLMEngine
     """The synchronous loop (tests that read or set state between steps), 512 pages unless
     told otherwise, ``serving``: the budget defaults behind the server."""
     cfg: dict[str, object] = dict(
-        model=str(folder), dtype="float32", device="cpu", num_pages=512, async_scheduling=False
+        model=str(folder), dtype="float32", device="cpu", num_pages=512, async_scheduling="off"
     )
     cfg.update(kw)
     return LLMEngine.from_config(EngineConfig(**cfg), serving=serving)  # type: ignore[arg-type]
@@ -246,7 +246,7 @@ def test_abort_in_every_state_frees_everything(tiny_llama_dir: Path, state: str)
         tiny_llama_dir,
         num_pages=64,
         host_offload_gb=32 * 2048 / 2**30,
-        async_scheduling=not by_hand,
+        async_scheduling="off" if by_hand else "on",
     )
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)

@@ -1,4 +1,4 @@
-"""The overlap loop (`--async-scheduling`, the default) against the synchronous loop and
+"""The overlap loop (`--async-scheduling on`, CUDA's default) against the synchronous loop and
 transformers: tokens read one step late change nothing a client sees. A finished request's
 extra token (stop id, EOS, max tokens, abort, eviction) never reaches an output, and every page
 comes back."""
@@ -27,7 +27,7 @@ def _engine(folder: Path, overlap: bool, **kw: object) -> LLMEngine:
         page_size=4,
         num_pages=256,
         seed=0,
-        async_scheduling=overlap,
+        async_scheduling="on" if overlap else "off",
     )
     cfg.update(kw)
     return LLMEngine.from_config(EngineConfig(**cfg))  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def live(tiny_chat_dir: Path) -> Iterator[LiveServer]:
-    engine = make_engine(tiny_chat_dir, async_scheduling=True)
+    engine = make_engine(tiny_chat_dir, async_scheduling="on")
     assert engine.overlap is not None
     with LiveServer(engine) as server:
         yield server
@@ -30,7 +30,7 @@ def live(tiny_chat_dir: Path) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def sync_reference(tiny_chat_dir: Path) -> list[list[int]]:
-    engine = make_engine(tiny_chat_dir, async_scheduling=False)
+    engine = make_engine(tiny_chat_dir, async_scheduling="off")
     assert engine.overlap is None
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     return engine.generate(PROMPTS, params)

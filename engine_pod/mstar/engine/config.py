@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EVICTION_POLICIES = ("lru", "priority")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
@@ -128,13 +129,15 @@ class EngineConfig:
             "either way."
         ),
     )
-    async_scheduling: bool = field(
-        default=True,
+    async_scheduling: str = field(
+        default="auto",
         metadata=_flag(
             "Overlap loop: schedule and launch step N+1 before reading step N's tokens, which "
             "feed it from the device; the host reads tokens one step late (stops, max tokens "
-            "and aborts stay exact: a finished request's extra token is discarded). "
-            "--no-async-scheduling waits for every step's tokens first."
+            "and aborts stay exact: a finished request's extra token is discarded). auto: on "
+            "for CUDA, off on CPU (where every op runs on the calling thread, so nothing "
+            "overlaps).",
+            choices=ASYNC_SCHEDULING,
         ),
     )
     eviction_policy: str = field(

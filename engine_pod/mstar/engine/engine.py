@@ -4,8 +4,8 @@ The `Scheduler` owns admission (declare, admit through the `StepRunner`, answer 
 evicting, parking or failing, reload); the `ModelRunner` turns the admitted step into tensors
 and runs the decoder and sampler; `Scheduler.update` commits it and produces the outputs. The
 engine only builds these parts and checks requests at the door. It is single-threaded: the
-server drives it from one thread. With `EngineConfig.async_scheduling` (the default) the
-`OverlapLoop` runs the same three calls with each step's tokens read one step late.
+server drives it from one thread. With `EngineConfig.async_scheduling` (on CUDA by default)
+the `OverlapLoop` runs the same three calls with each step's tokens read one step late.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ class LLMEngine:
             sampler,
             device,
             preplan=config.enable_preplan,
-            overlap=config.async_scheduling,
+            overlap=_overlaps(config, device),
         )
-        self.overlap = OverlapLoop(self) if config.async_scheduling else None
+        self.overlap = OverlapLoop(self) if self.model_runner.overlap else None
         self.scheduler = Scheduler(
             self.runner,
             self.kv,
@@ -330,6 +330,13 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _overlaps(config: EngineConfig, device: torch.device) -> bool:
+    """The overlap loop: asked for, or ``auto`` on CUDA (on CPU the forward runs on the
+    calling thread, so launching ahead overlaps nothing)."""
+    mode = config.async_scheduling
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -> int:
