@@ -46,6 +46,16 @@ def _engine(folder: Path, **kw: object) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
+def _sync_engine(folder: Path, serving: bool = False, **kw: object) -> LLMEngine:
+    """The synchronous loop (tests that read or set state between steps), 512 pages unless
+    told otherwise, ``serving``: the budget defaults behind the server."""
+    cfg: dict[str, object] = dict(
+        model=str(folder), dtype="float32", device="cpu", num_pages=512, async_scheduling="off"
+    )
+    cfg.update(kw)
+    return LLMEngine.from_config(EngineConfig(**cfg), serving=serving)  # type: ignore[arg-type]
+
+
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -94,10 +104,8 @@ def test_step_budget_defaults_to_the_cpu_values_and_a_flag_wins(tiny_llama_dir: 
         return counts
 
     def engine(serving: bool, **kw: object) -> LLMEngine:
-        cfg = EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", device="cpu", num_pages=512, **kw
-        )  # type: ignore[arg-type]
-        return LLMEngine.from_config(cfg, serving=serving)
+        # Synchronous loop: the overlap loop delivers each step's tokens one call later.
+        return _sync_engine(tiny_llama_dir, serving, **kw)
 
     offline, served = engine(False), engine(True, step_budget="fixed")
     assert offline.scheduler.config.max_num_batched_tokens == DEFAULT_BATCHED_TOKENS == 2048
@@ -127,7 +135,9 @@ def test_adaptive_budget_learns_from_steps_and_stays_exact(
     executed = []
     execute = engine.model_runner.execute
     monkeypatch.setattr(
-        engine.model_runner, "execute", lambda batch: executed.append(batch) or execute(batch)
+        engine.model_runner,
+        "execute",
+        lambda batch, *prev: executed.append(batch) or execute(batch, *prev),
     )
     assert engine.generate(_prompts(), GREEDY) == reference
     assert budget.model.steps == len(executed) > 0
@@ -137,9 +147,9 @@ def test_adaptive_budget_learns_from_steps_and_stays_exact(
 def test_a_wave_at_an_idle_engine_is_prefilled_in_one_step(tiny_llama_dir: Path) -> None:
     """Behind the server, prompts arriving together at an idle engine all prefill in its first
     step (they fit the cap); a prompt arriving after the wave was prefilled, beside streams
-    decoding, is no wave: the budget sees ``wave`` false (the stall bound applies to it)."""
-    cfg = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_pages=512)
-    engine = LLMEngine.from_config(cfg, serving=True)
+    decoding, is no wave: the budget sees ``wave`` false (the stall bound applies to it).
+    The synchronous loop: each step is committed before the state below is read."""
+    engine = _sync_engine(tiny_llama_dir, True)
     budget = engine.scheduler.step_budget
     assert budget is not None
     waves: list[bool] = []
@@ -230,7 +240,14 @@ def test_context_length_checked_at_arrival(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.parametrize("state", ["waiting", "running", "copying", "offloaded"])
 def test_abort_in_every_state_frees_everything(tiny_llama_dir: Path, state: str) -> None:
-    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    # Offloading by hand between steps needs nothing in flight: the synchronous loop there.
+    by_hand = state in ("copying", "offloaded")
+    engine = _engine(
+        tiny_llama_dir,
+        num_pages=64,
+        host_offload_gb=32 * 2048 / 2**30,
+        async_scheduling="off" if by_hand else "on",
+    )
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)
     engine.add_request("b", list(range(3, 12)), params)
@@ -239,7 +256,7 @@ def test_abort_in_every_state_frees_everything(tiny_llama_dir: Path, state: str)
         engine.step()
     req = engine.scheduler.requests["a"]
     kv = engine.kv
-    if state in ("copying", "offloaded"):
+    if by_hand:
         if state == "copying":
             kv.copier.pause()  # claimed, the copy to the host still queued
         assert engine.runner.offload("a") > 0
@@ -297,7 +314,10 @@ def test_request_offloading_parks_without_evicting_then_finishes_exactly(
 ) -> None:
     prompts = [list(range(3, 20)), list(range(30, 41))]
     expected = hf_greedy(tiny_llama_dir, prompts, 12)
-    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    # State set by hand between steps: the synchronous loop (nothing in flight).
+    engine = _sync_engine(
+        tiny_llama_dir, page_size=4, seed=0, num_pages=64, host_offload_gb=32 * 2048 / 2**30
+    )
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     engine.add_request("a", prompts[0], params)
     engine.add_request("b", prompts[1], params)
@@ -343,7 +363,10 @@ def test_a_step_whose_rows_all_wait_on_a_copy_waits_for_it_instead_of_spinning(
     """The only request's KV is on the move: each step waits up to COPY_WAIT_SECONDS for the
     copy. Returning at once spun the engine loop on refusals, taking the KV lock the copy needs
     to land faster than the copy thread got it: requests stuck for minutes under load."""
-    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=32 * 2048 / 2**30)
+    # State set by hand between steps: the synchronous loop (nothing in flight).
+    engine = _sync_engine(
+        tiny_llama_dir, page_size=4, seed=0, num_pages=64, host_offload_gb=32 * 2048 / 2**30
+    )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)
     engine.step()
@@ -368,7 +391,8 @@ def test_a_step_whose_rows_are_all_held_sleeps_to_the_hold_end_instead_of_spinni
     """The only request sits in a hold window (as after an eviction) and no copy moves: each
     step sleeps toward the window's end (at most COPY_WAIT_SECONDS) instead of returning at
     once (millions of empty steps under memory pressure), and the request goes on after it."""
-    engine = _engine(tiny_llama_dir, num_pages=64, host_offload_gb=0)
+    # State set by hand between steps: the synchronous loop (nothing in flight).
+    engine = _sync_engine(tiny_llama_dir, page_size=4, seed=0, num_pages=64, host_offload_gb=0)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine.add_request("a", list(range(3, 20)), params)
     engine.step()

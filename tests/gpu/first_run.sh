@@ -31,20 +31,8 @@ BUDGET_S=${BUDGET_S:-300}
 mkdir -p "$OUT"
 T0=$SECONDS
 
-left() { echo $((BUDGET_S - (SECONDS - T0))); }
-stage() { printf '\n=== [%3d s] %s\n' $((SECONDS - T0)) "$*"; }
-# capped CAP CMD...: run CMD under the smaller of CAP and the time left
-capped() {
-  local cap=$1 t
-  shift
-  t=$(left)
-  ((t > cap)) && t=$cap
-  if ((t < 10)); then
-    echo "no time left for: $*"
-    return 124
-  fi
-  timeout "$t" "$@"
-}
+# shellcheck source=scripts/device_stages.sh
+source scripts/device_stages.sh
 
 main() {
   stage "0. machine"

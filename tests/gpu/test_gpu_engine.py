@@ -99,7 +99,8 @@ def test_bf16_flashinfer_matches_torch_until_a_near_tie(model_dir: Path) -> None
 
 
 def _decoding_batch(engine: LLMEngine, n: int, tag: str):  # type: ignore[no-untyped-def]
-    """Admit ``n`` short requests, prefill them, and schedule their next (decode) step."""
+    """Admit ``n`` short requests, prefill them, and schedule their next (decode) step (the
+    engine runs the synchronous loop: nothing is in flight between its steps)."""
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"{tag}{i}", [5 + (i * 13) % 80, 7, 9 + i % 50], params)
@@ -112,7 +113,7 @@ def _decoding_batch(engine: LLMEngine, n: int, tag: str):  # type: ignore[no-unt
 
 @needs_fi
 def test_graph_replay_equals_eager_for_every_bucket(model_dir: Path) -> None:
-    engine = _fi_engine(model_dir)
+    engine = _fi_engine(model_dir, async_scheduling="off")  # driven by hand
     graphs = engine.model_runner.graphs
     assert graphs is not None
     for bs in SIZES:
@@ -137,7 +138,7 @@ def test_graph_replay_equals_eager_for_every_bucket(model_dir: Path) -> None:
 
 @needs_fi
 def test_padded_graph_rows_write_only_the_sink_page(model_dir: Path) -> None:
-    engine = _fi_engine(model_dir)
+    engine = _fi_engine(model_dir, async_scheduling="off")  # driven by hand
     batch = _decoding_batch(engine, 3, "s")  # bucket 4: one pad row
     lease = batch.step.ctx.slot_lease
     assert lease is not None and lease.bucket is not None and lease.bucket.bs == 4

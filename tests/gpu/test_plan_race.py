@@ -162,9 +162,9 @@ def test_chunked_prefill_on_a_lagging_device_equals_the_unlagged_run(
     sampled: list[bool] = []
     execute = engine.model_runner.execute
 
-    def recording(batch: Any) -> Any:
+    def recording(batch: Any, *prev: Any) -> Any:
         sampled.append(bool(batch.sample_rows))
-        return execute(batch)
+        return execute(batch, *prev)
 
     monkeypatch.setattr(engine.model_runner, "execute", recording)
     got: tuple[Tokens, Logprobs] = drive(engine, PROMPTS, PARAMS)

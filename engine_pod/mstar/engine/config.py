@@ -16,6 +16,7 @@ from typing import Any
 from mstar.engine.lora.modules import parse_lora_module
 
 EVICTION_POLICIES = ("lru", "priority")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
@@ -128,6 +129,17 @@ class EngineConfig:
             "Plan step N+1's pre-planning resources (the sampler's row gather today) while step "
             "N's forward runs, promoted when the next step matches; greedy output is the same "
             "either way."
+        ),
+    )
+    async_scheduling: str = field(
+        default="auto",
+        metadata=_flag(
+            "Overlap loop: schedule and launch step N+1 before reading step N's tokens, which "
+            "feed it from the device; the host reads tokens one step late (stops, max tokens "
+            "and aborts stay exact: a finished request's extra token is discarded). auto: on "
+            "for CUDA, off on CPU (where every op runs on the calling thread, so nothing "
+            "overlaps).",
+            choices=ASYNC_SCHEDULING,
         ),
     )
     eviction_policy: str = field(

@@ -4,7 +4,8 @@ The `Scheduler` owns admission (declare, admit through the `StepRunner`, answer 
 evicting, parking or failing, reload); the `ModelRunner` turns the admitted step into tensors
 and runs the decoder and sampler; `Scheduler.update` commits it and produces the outputs. The
 engine only builds these parts and checks requests at the door. It is single-threaded: the
-server drives it from one thread.
+server drives it from one thread. With `EngineConfig.async_scheduling` (on CUDA by default)
+the `OverlapLoop` runs the same three calls with each step's tokens read one step late.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from mstar.engine.deterministic import check_head_dim, deterministic_setup
 from mstar.engine.executor import Executor, LocalExecutor, TensorParallelExecutor
 from mstar.engine.lora.manager import LoraManager
 from mstar.engine.model.config import ModelConfig
+from mstar.engine.model.cuda_ops import attach_fused_glue_ops
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model_path
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model_runner import ModelRunner
 from mstar.engine.outputs import RequestOutput
+from mstar.engine.overlap import OverlapLoop
 from mstar.engine.parallel.group import LeaderRanks, start_leader
 from mstar.engine.rank_resources import GIB, attention_resource, kv_pages, rank_kv_config
 from mstar.engine.request import Request
@@ -136,8 +139,15 @@ class LLMEngine:
             resources[LORA] = self.lora.resource
         self.runner = StepRunner(resources)
         self.model_runner = ModelRunner(
-            decoder, self.runner, sampler, device, preplan=config.enable_preplan
+            decoder,
+            self.runner,
+            sampler,
+            device,
+            preplan=config.enable_preplan,
+            # the tensor-parallel broadcast and the LoRA rows run on the synchronous loop only
+            overlap=_overlaps(config, device) and ranks is None and self.lora is None,
         )
+        self.overlap = OverlapLoop(self) if self.model_runner.overlap else None
         self.scheduler = Scheduler(
             self.runner,
             self.kv,
@@ -185,6 +195,7 @@ class LLMEngine:
             )
             if config.deterministic:
                 check_head_dim(device, model_config.head_dim)
+            attach_fused_glue_ops(decoder, device, dtype, config.deterministic)
             num_pages, bytes_per_page = kv_pages(config, model_config, device, dtype)
             if ranks is not None:
                 num_pages = ranks.group.agree_min(num_pages)
@@ -264,6 +275,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the progress of every request that moved or ended."""
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self.scheduler.schedule()
         if batch is None:
             return self.scheduler.update(None, None)
@@ -349,6 +362,13 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _overlaps(config: EngineConfig, device: torch.device) -> bool:
+    """The overlap loop: asked for, or ``auto`` on CUDA (on CPU the forward runs on the
+    calling thread, so launching ahead overlaps nothing)."""
+    mode = config.async_scheduling
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -> int:

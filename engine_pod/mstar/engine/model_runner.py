@@ -18,6 +18,7 @@ Two GPU features hang off it, both optional and both off the CPU default path:
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from mstar.engine.cuda_graphs import (
 )
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.outputs import ErrorKind, RequestError
+from mstar.engine.overlap import InFlight, step_input_ids
 from mstar.engine.resource_keys import ATTN, KV, LORA, ROPE, SAMPLER
 from mstar.engine.resources.host_copy import to_device
 from mstar.engine.resources.kv.plan import KVPlan, build_plan
@@ -65,7 +67,9 @@ class ModelRunner:
         device: torch.device,
         *,
         preplan: bool = False,
+        overlap: bool = False,
     ) -> None:
+        """``overlap``: the engine runs `OverlapLoop`: sampled tokens stay on the device."""
         self.decoder = decoder
         self.runner = runner
         self.sampler = sampler
@@ -77,6 +81,7 @@ class ModelRunner:
         #: called with (input ids, KV plan, logits rows) right before each eager forward: the
         #: tensor-parallel executor broadcasts the step to the other ranks there
         self.before_forward: Callable[[torch.Tensor, KVPlan, torch.Tensor], None] | None = None
+        self.overlap = overlap
 
     # -- setup -----------------------------------------------------------------------------------
     def setup_graphs(
@@ -142,10 +147,14 @@ class ModelRunner:
         return ctx
 
     # -- per step --------------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run one admitted step; an exception becomes a typed internal error for its rows."""
+    def execute(self, batch: ScheduledBatch, prev: InFlight | None = None) -> StepResult:
+        """Run one admitted step; an exception becomes a typed internal error for its rows.
+
+        ``prev``: the overlap loop's step in flight; its tokens feed this step's reserved slots
+        from the device, and this step's tokens stay there too (`SampleOutput.deferred`).
+        """
         try:
-            return self._forward(batch)
+            return self._forward(batch, prev)
         except Exception:
             log.exception("step failed; its requests are failed")
             self.runner.clear_preplan()
@@ -153,20 +162,18 @@ class ModelRunner:
                 None, RequestError(ErrorKind.INTERNAL, "internal error while running the model")
             )
 
-    def _forward(self, batch: ScheduledBatch) -> StepResult:
+    def _forward(self, batch: ScheduledBatch, prev: InFlight | None) -> StepResult:
         plans = self.runner.plan(batch.step)
         lease = batch.step.ctx.slot_lease
         if lease is not None:
             self.rotation.take(lease.slot)
-        tokens: list[int] = []
-        for r in batch.rows:
-            tokens.extend(r.request.tokens_to_compute(r.num_tokens))
-        input_ids = to_device(tokens, torch.long, self.device)
         with torch.inference_mode():
+            input_ids = step_input_ids(batch, prev, self.device)
             if lease is not None and lease.bucket is not None and self.graphs is not None:
                 logits = self.graphs.run(lease, input_ids, plans[ROPE], plans[ATTN])
             else:
-                ends = plans[KV].qo_indptr[1:].tolist()
+                # Row ends from the host (the plan's indptr is on the device: reading it syncs).
+                ends = list(itertools.accumulate(r.num_tokens for r in batch.rows))
                 rows = [ends[i] - 1 for i in batch.sample_rows]
                 # Scored prompt positions get logits too, after the sampled rows.
                 rows += [s.flat + j for s in batch.scored for j in range(len(s.targets))]
@@ -184,7 +191,7 @@ class ModelRunner:
                 groups = [s.targets for s in batch.scored]
                 scores = score_prompt_rows(logits[n:], groups, [s.top for s in batch.scored])
                 logits = logits[:n]
-            sampled = self.sampler.sample(plans[SAMPLER], logits) if n else None
+            sampled = self.sampler.sample(plans[SAMPLER], logits, self.overlap) if n else None
             return StepResult(sampled, prompt_scores=scores)
 
     def _preplan_next(self, batch: ScheduledBatch) -> None:

@@ -23,6 +23,9 @@ from mstar.engine.outputs import (
 )
 from mstar.engine.sampling_params import SamplingParams
 
+#: The value a reserved token slot holds until its token is read from the device.
+RESERVED_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never run, or dropped for recomputation: needs (re)prefill
@@ -67,6 +70,11 @@ class Request:
     #: Not chosen as a victim before this time: it was just admitted or reloaded.
     protected_until: float = 0.0
     num_evictions: int = 0
+    #: Trailing token slots whose values are still on the device (the overlap loop's
+    #: one-step lag): positions to compute, not outputs yet.
+    num_reserved: int = 0
+    #: The reserved token will end the request by length: it is not scheduled again.
+    awaiting_final: bool = False
     #: per-resource overrides handed to `runner.ingest_request`.
     overrides: dict[str, Any] = field(default_factory=dict)
     pending_events: list[EngineEvent] = field(default_factory=list)
@@ -92,11 +100,28 @@ class Request:
         return self.token_view
 
     def append_token(self, token: int, logprob: TokenLogprob | None) -> None:
-        """The one writer of the token list: a sampled token, delivered with the next output."""
-        self._tokens.append(token)
+        """The one writer of the token list: a sampled token, delivered with the next output.
+        It fills the oldest reserved slot when there is one (`reserve_token`)."""
+        if self.num_reserved:
+            self._tokens[len(self._tokens) - self.num_reserved] = token
+            self.num_reserved -= 1
+        else:
+            self._tokens.append(token)
         self.pending_tokens.append(token)
         if logprob is not None:
             self.pending_logprobs.append(logprob)
+
+    def reserve_token(self) -> None:
+        """A slot for a token sampled on the device but not read yet; the next step computes
+        it from the device tensor, `append_token` fills it one step later."""
+        self._tokens.append(RESERVED_TOKEN)
+        self.num_reserved += 1
+
+    def drop_reserved(self) -> None:
+        """Forget unread tokens of a request that ended: they are never outputs."""
+        if self.num_reserved:
+            del self._tokens[len(self._tokens) - self.num_reserved :]
+            self.num_reserved = 0
 
     def tokens_to_compute(self, num_tokens: int) -> list[int]:
         """The next `num_tokens` tokens the cache does not hold yet."""
@@ -141,10 +166,13 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._tokens) - len(self.prompt_token_ids)
+        """Outputs delivered or due with the next output (reserved slots are not yet)."""
+        return len(self._tokens) - self.num_reserved - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed(self) -> int:
+        if self.awaiting_final and self.num_reserved:
+            return 0  # its last token, in flight, ends it
         return len(self._tokens) - self.num_computed
 
     @property

@@ -37,14 +37,13 @@ from typing import Any
 from mstar.engine.batch import (
     ScheduledBatch,
     ScheduledRow,
-    StepResult,
     cap_scored,
     declare_step,
     eager_context,
     is_batched_decode,
     prompt_scores,
 )
-from mstar.engine.outputs import ErrorKind, FinishReason, RequestError, RequestOutput
+from mstar.engine.outputs import ErrorKind, FinishReason, RequestError
 from mstar.engine.request import Request, RequestStatus
 from mstar.engine.resources.kv import KVCacheResource
 from mstar.engine.resources.kv.capacity import KVCapacity
@@ -59,6 +58,7 @@ from mstar.engine.resources.step import (
     SubmoduleStep,
 )
 from mstar.engine.step_budget import StepBudget
+from mstar.engine.step_update import StepUpdate
 
 #: Builds a step's context from its request ids and whether it is a batched decode.
 MakeContext = Callable[[list[str], bool], StepContext]
@@ -105,7 +105,7 @@ class SchedulerCounters:
     recomputations: int = 0
 
 
-class Scheduler:
+class Scheduler(StepUpdate):
     """Queues of waiting, running and offloaded requests; admission, eviction and reload."""
 
     def __init__(
@@ -420,61 +420,6 @@ class Scheduler:
             self._event(req, "reloaded", now, {})
             self._move(req, RequestStatus.RUNNING)
 
-    # -- update ------------------------------------------------------------------------------------
-    def update(
-        self, batch: ScheduledBatch | None, result: StepResult | None
-    ) -> list[RequestOutput]:
-        """Commit the executed step, record sampled tokens, end what stopped; the outputs."""
-        if batch is not None and result is not None:
-            if result.error is not None:
-                self.runner.abort_step(batch.step)
-                for r in batch.rows:
-                    self._finish(r.request, FinishReason.ERROR, result.error)
-            else:
-                self._commit(batch, result)
-        return self._collect_outputs()
-
-    def _commit(self, batch: ScheduledBatch, result: StepResult) -> None:
-        self.runner.commit(batch.step)
-        kv, step_index = self.kv, self.step_index
-        for scored, scores in zip(batch.scored, result.prompt_scores, strict=True):
-            batch.rows[scored.row].request.prompt_logprobs.extend(scores)
-        for r in batch.rows:
-            req = r.request
-            req.num_computed = kv.stored_len(req.request_id)
-            req.last_active_step = step_index
-            self._touched[req.request_id] = req
-        sampled = result.sampled
-        if sampled is None:
-            return
-        done = time.monotonic()
-        logprobs = sampled.logprobs
-        for j, i in enumerate(batch.sample_rows):
-            req = batch.rows[i].request
-            if j in sampled.ended:  # its grammar ended: the drawn token is not an output
-                self._finish(req, FinishReason(sampled.ended[j]))
-                continue
-            token = sampled.token_ids[j]
-            req.append_token(token, None if logprobs is None else logprobs[j])
-            if req.first_token_time is None:
-                req.first_token_time = done
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        params = req.params
-        if (
-            not params.ignore_eos and token in self.config.eos_token_ids
-        ) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if (
-            req.num_output_tokens >= params.max_tokens
-            or req.num_tokens >= self.config.max_model_len
-        ):
-            return FinishReason.LENGTH
-        return None
-
     # -- bookkeeping -------------------------------------------------------------------------------
     def _move(self, req: Request, status: RequestStatus, front: bool = False) -> None:
         self._unqueue(req)
@@ -504,25 +449,13 @@ class Scheduler:
     ) -> None:
         self._unqueue(req)
         self.runner.remove_request(req.request_id)
+        req.drop_reserved()
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error
         req.finished_time = time.monotonic()
         self._touched.pop(req.request_id, None)
         self._finished.append(req)
-
-    def _collect_outputs(self) -> list[RequestOutput]:
-        outputs = [
-            req.take_output()
-            for req in self._touched.values()
-            if req.pending_tokens or req.pending_events
-        ]
-        self._touched.clear()
-        for req in self._finished:
-            outputs.append(req.take_output())
-            del self.requests[req.request_id]
-        self._finished.clear()
-        return outputs
 
 
 __all__ = ["MAX_SCORED_ROWS", "Scheduler", "SchedulerConfig", "SchedulerCounters"]

@@ -123,11 +123,16 @@ class RotaryEmbedding:
         if kernels is not None and x.dtype in cpu_kernels.DTYPES:
             kernels.rope_(x, cos, sin)
             return
-        half = self.head_dim // 2
-        x1 = x[..., :half]
-        x2 = x[..., half:]
-        # Same products and sums as HF's x*cos + rotate_half(x)*sin, evaluated per half.
-        new1 = x1 * cos - x2 * sin
-        new2 = x2 * cos + x1 * sin
-        x1.copy_(new1)
-        x2.copy_(new2)
+        rotate_half_(x, cos, sin)
+
+
+def rotate_half_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`RotaryEmbedding.rotate_` in torch ops: ``x`` [T, H, D] in place, half tables."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    # Same products and sums as HF's x*cos + rotate_half(x)*sin, evaluated per half.
+    new1 = x1 * cos - x2 * sin
+    new2 = x2 * cos + x1 * sin
+    x1.copy_(new1)
+    x2.copy_(new2)

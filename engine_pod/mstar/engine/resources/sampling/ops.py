@@ -180,3 +180,15 @@ def logprobs_of(
         return chosen_lp, None, None
     top = lp.topk(min(k, lp.shape[1]), dim=1)
     return chosen_lp, top.values, top.indices
+
+
+def bias_index(
+    parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The step's logit biases as flat (rows, token ids, values) for one `index_put_`."""
+    if not parts:
+        return None
+    rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in parts])
+    ids = torch.cat([ids for _, (ids, _) in parts])
+    values = torch.cat([values for _, (_, values) in parts])
+    return rows.to(device), ids, values

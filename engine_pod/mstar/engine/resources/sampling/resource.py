@@ -365,7 +365,7 @@ class SamplerResource(Resource):
             any_random=any_random,
             logprob_rows=tuple(logprob_rows),
             grammar_rows=tuple(grammar_rows),
-            bias_index=_bias_index(bias_parts, dev),
+            bias_index=ops.bias_index(bias_parts, dev),
             min_token_rows=tuple(min_token_rows),
         )
 
@@ -373,12 +373,13 @@ class SamplerResource(Resource):
         """The logits sampling draws from (penalties, temperature, filters applied); a copy."""
         return self._process(plan, logits)[0].to(torch.float32, copy=True)
 
-    def sample(self, plan: SamplerPlan, logits: torch.Tensor) -> SampleOutput:
+    def sample(self, plan: SamplerPlan, logits: torch.Tensor, defer: bool = False) -> SampleOutput:
         """Draw one token per row of `logits` `[rows, vocab]`; state moves only at commit.
 
         Logit bias, `min_tokens` and grammar masks are written into `logits` in place first
-        (logprobs are then those of the constrained distribution, as in vLLM).
-        """
+        (logprobs are then those of the constrained distribution, as in vLLM). ``defer``:
+        leave the tokens on the device (`SampleOutput.deferred`) unless logprobs or a grammar
+        need them on the host now; commit reads only the tensor then."""
         ended = self._constrain(plan, logits)
         x, greedy_tok = self._process(plan, logits)
         if plan.all_greedy:
@@ -389,10 +390,11 @@ class SamplerResource(Resource):
             if greedy_tok is not None:
                 assert plan.greedy is not None
                 tokens = torch.where(plan.greedy, greedy_tok, tokens)
-        token_list: list[int] = tokens.tolist()
+        deferred = defer and not plan.logprob_rows and plan.masks is None
+        token_list: list[int] = [] if deferred else tokens.tolist()
         self._pending = (plan, tokens, token_list, ended)
-        logprobs = self._logprobs(plan, logits, tokens, token_list)
-        return SampleOutput(token_list, logprobs, tokens, ended)
+        logprobs = None if deferred else self._logprobs(plan, logits, tokens, token_list)
+        return SampleOutput(token_list, logprobs, tokens, ended, deferred)
 
     def _constrain(self, plan: SamplerPlan, logits: torch.Tensor) -> dict[int, str]:
         """Apply bias, hold-backs and grammar masks in place; the rows whose grammar ended."""
@@ -546,15 +548,3 @@ class SamplerResource(Resource):
             top = tuple(zip(top_il[j][:k], top_vl[j][:k], strict=True)) if k else ()
             out[row] = TokenLogprob(token_list[row], chosen_l[j], top)
         return out
-
-
-def _bias_index(
-    parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The step's logit biases as flat (rows, token ids, values) for one `index_put_`."""
-    if not parts:
-        return None
-    rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in parts])
-    ids = torch.cat([ids for _, (ids, _) in parts])
-    values = torch.cat([values for _, (_, values) in parts])
-    return rows.to(device), ids, values

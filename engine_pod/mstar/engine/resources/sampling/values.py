@@ -103,3 +103,6 @@ class SampleOutput:
     #: Row -> finish reason for rows whose grammar ended ("stop") or has no token left
     #: ("grammar_dead_end"): their token is not an output, the request ends.
     ended: dict[int, str] = field(default_factory=dict)
+    #: The tokens were left on the device (`token_ids` is empty): the overlap loop reads
+    #: them one step later.
+    deferred: bool = False
