@@ -15,9 +15,16 @@ import torch.distributed as dist
 from mstar.engine.parallel.group import RankGroup
 from mstar.engine.resources.kv.plan import KVPlan
 
-#: header: op, tokens, rows, page indices, logits rows, is_decode, page_size
-_HEADER = 7
+#: header: op, tokens, rows, main page indices, logits rows, is_decode, page_size, KV groups
+_HEADER = 8
 _STOP, _STEP = 0, 1
+
+
+def _plan_parts(kv: KVPlan) -> list[torch.Tensor]:
+    return [
+        kv.qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, kv.seq_lens,
+        kv.prefix_lens, kv.write_slots,
+    ]  # fmt: skip
 
 
 class StepChannel:
@@ -36,15 +43,18 @@ class StepChannel:
         self.calls += 1
 
     def send(self, input_ids: torch.Tensor, kv: KVPlan, index: torch.Tensor) -> None:
-        """Broadcast one step (rank 0, right before its own forward)."""
-        parts = [
-            input_ids, kv.qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len,
-            kv.seq_lens, kv.prefix_lens, kv.write_slots, index,
-        ]  # fmt: skip
+        """Broadcast one step (rank 0, right before its own forward). A hybrid model's other
+        KV groups (`KVPlan.groups`, same rows) follow the main plan in the payload; their
+        page counts take one more broadcast, sent only when there are such groups."""
+        parts = [input_ids, index]
+        for plan in (kv, *kv.groups):
+            parts += _plan_parts(plan)
         rows = len(kv.request_ids)
         header = [_STEP, kv.num_tokens, rows, kv.kv_indices.numel(), index.numel()]
-        header += [int(kv.is_decode), kv.page_size]
+        header += [int(kv.is_decode), kv.page_size, len(kv.groups)]
         self._bcast(torch.tensor(header, dtype=torch.int64))
+        if kv.groups:
+            self._bcast(torch.tensor([g.kv_indices.numel() for g in kv.groups]))
         self._bcast(torch.cat([p.to("cpu", torch.int64).reshape(-1) for p in parts]))
 
     def stop(self) -> None:
@@ -55,16 +65,36 @@ class StepChannel:
         """The next step as (input ids, KV plan, logits rows); None when rank 0 stops."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.group)
-        op, tokens, rows, pages, n_index, is_decode, page_size = header.tolist()
+        op, tokens, rows, pages, n_index, is_decode, page_size, n_groups = header.tolist()
         if op == _STOP:
             return None
-        sizes = [tokens, rows + 1, rows + 1, pages, rows, rows, rows, tokens, n_index]
+        counts = [pages]
+        if n_groups:
+            more = torch.empty(n_groups, dtype=torch.int64)
+            dist.broadcast(more, 0, group=self.group)
+            counts += more.tolist()
+        per_plan = [[rows + 1, rows + 1, n, rows, rows, rows, tokens] for n in counts]
+        sizes = [tokens, n_index] + [size for plan in per_plan for size in plan]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         dist.broadcast(payload, 0, group=self.group)
-        ids, qo, kvp, idx, last, seq, prefix, slots, index = payload.split(sizes)
+        ids, index, *arrays = payload.split(sizes)
         i32 = torch.int32
-        plan = KVPlan(
-            ("",) * rows, qo.to(i32), kvp.to(i32), idx.to(i32), last.to(i32), seq.to(i32),
-            prefix.to(i32), slots.to(self.device), tokens, bool(is_decode), page_size,
-        )  # fmt: skip
-        return ids.to(self.device), plan, index.to(self.device)
+        plans = []
+        for g in range(len(counts)):
+            qo, kvp, idx, last, seq, prefix, slots = arrays[7 * g : 7 * g + 7]
+            plan = KVPlan(
+                request_ids=("",) * rows,
+                qo_indptr=qo.to(i32),
+                kv_indptr=kvp.to(i32),
+                kv_indices=idx.to(i32),
+                kv_last_page_len=last.to(i32),
+                seq_lens=seq.to(i32),
+                prefix_lens=prefix.to(i32),
+                write_slots=slots.to(self.device),
+                num_tokens=tokens,
+                is_decode=bool(is_decode),
+                page_size=page_size,
+            )
+            plans.append(plan)
+        main = plans[0]._replace(groups=tuple(plans[1:]))
+        return ids.to(self.device), main, index.to(self.device)
