@@ -193,8 +193,9 @@ def test_resource_graph_buffers_keep_their_addresses_across_builds() -> None:
         ctx.plan_results["kv"] = empty
         a = attn.plan(ResourceStep(), ctx)
         p = pos.plan(ResourceStep(), ctx)
-        assert a.write_slots.tolist() == [0] * lease.bucket.bs  # type: ignore[union-attr]
-        return a.write_slots.data_ptr(), p.data_ptr(), a.backend
+        (slots,) = a.write_slots  # type: ignore[union-attr]  # one KV group: one slot buffer
+        assert slots.tolist() == [0] * lease.bucket.bs
+        return slots.data_ptr(), p.data_ptr(), a.backends[0]  # type: ignore[union-attr]
 
     first = {spec: planned(spec) for spec in big}
     # A second, smaller build (another capturing runner) must not move or replace anything.
