@@ -171,6 +171,7 @@ def test_a_bad_layout_is_named(gpus: int, parallelism: dict[str, int], problem: 
         (["--node-rank", "1"], r"--node-rank must be in \[0, --nnodes\)"),
         (["--dist-init-addr", "leader"], "must be HOST:PORT"),
         (["--tensor-parallel-size", "0"], "must be >= 1"),
+        (["--tensor-parallel-size", "2", "--enable-lora"], "not served with --tensor-parallel"),
     ],
 )
 def test_engine_refuses_an_inconsistent_layout(flags: list[str], problem: str) -> None:

@@ -131,9 +131,7 @@ class LLMEngine:
         }
         #: LoRA adapters served beside the base (`--enable-lora`, `--lora-modules`), or None
         self.lora: LoraManager | None = None
-        if config.lora_enabled:
-            if ranks is not None:
-                raise ValueError("--enable-lora: not served with --tensor-parallel-size > 1 yet")
+        if config.lora_enabled:  # never with ranks: `EngineConfig` refuses LoRA under TP
             self.lora = LoraManager(decoder, config.max_loras, config.max_lora_rank)
             self.lora.register_modules(config.lora_modules)
             resources[LORA] = self.lora.resource
