@@ -142,8 +142,7 @@ class LLMEngine:
             sampler,
             device,
             preplan=config.enable_preplan,
-            # the tensor-parallel broadcast and the LoRA rows run on the synchronous loop only
-            overlap=_overlaps(config, device) and ranks is None and self.lora is None,
+            overlap=_overlaps(config, device, tensor_parallel=ranks is not None),
         )
         self.overlap = OverlapLoop(self) if self.model_runner.overlap else None
         self.scheduler = Scheduler(
@@ -362,11 +361,17 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _overlaps(config: EngineConfig, device: torch.device) -> bool:
+def _overlaps(config: EngineConfig, device: torch.device, *, tensor_parallel: bool) -> bool:
     """The overlap loop: asked for, or ``auto`` on CUDA (on CPU the forward runs on the
-    calling thread, so launching ahead overlaps nothing)."""
+    calling thread, so launching ahead overlaps nothing). Never with tensor parallelism or
+    LoRA: the step broadcast and the adapter rows hook the synchronous loop only."""
     mode = config.async_scheduling
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
+    wanted = mode == "on" or (mode == "auto" and device.type == "cuda")
+    blocker = "tensor parallelism" if tensor_parallel else "LoRA" if config.lora_enabled else None
+    if wanted and blocker is not None:
+        log.info("--async-scheduling %s: the overlap loop is off with %s", mode, blocker)
+        return False
+    return wanted
 
 
 def _batched_tokens(config: EngineConfig, device: torch.device, serving: bool) -> int:
