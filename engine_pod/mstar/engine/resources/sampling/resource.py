@@ -24,6 +24,13 @@ from mstar.engine.resources.sampling.grammar import (
     apply_masks,
     spare_core,
 )
+from mstar.engine.resources.sampling.param_table import (
+    F_PENALTY,
+    IDENTITY_ROW,
+    NCOLS,
+    gather_plan,
+    request_row,
+)
 from mstar.engine.resources.sampling.values import (
     RequestState,
     SampleOutput,
@@ -33,18 +40,6 @@ from mstar.engine.resources.sampling.values import (
 from mstar.engine.resources.step import ResourceStep, StepContext
 from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import cpu_kernels
-
-#: Temperatures below this are greedy (dividing by them would only overflow).
-GREEDY_EPS = 1e-5
-
-# Columns of the per-request parameter table. Off values are the identity for their stage.
-_TEMP, _TOP_P_CUT, _LOG_MIN_P, _REP, _PRES, _FREQ, _TOP_K, _GREEDY = range(8)
-_NCOLS = 8
-_IDENTITY_ROW = (1.0, 2.0, ops.NEG_INF, 1.0, 0.0, 0.0, 0.0, 1.0)
-
-# Feature bits, OR-ed over a batch's rows at plan time.
-_F_GREEDY, _F_TOPK, _F_TOPP, _F_MINP, _F_PENALTY, _F_SEEDED = (1 << i for i in range(6))
-
 
 #: (stage key, the request objects gathered, the gathered plan)
 _Stage = tuple[tuple[object, ...], tuple[tuple[str, RequestState], ...], SamplerPlan]
@@ -81,8 +76,8 @@ class SamplerResource(Resource):
         self._reqs: dict[str, RequestState] = {}
         # Row 0 of each table is reserved: identity parameters (padding rows) / zero state.
         cap = max(2, initial_capacity)
-        self._params = torch.empty((cap, _NCOLS), dtype=torch.float32, device=self.device)
-        self._params[:] = to_device(_IDENTITY_ROW, torch.float32, self.device)
+        self._params = torch.empty((cap, NCOLS), dtype=torch.float32, device=self.device)
+        self._params[:] = to_device(IDENTITY_ROW, torch.float32, self.device)
         self._free_slots = list(range(cap - 1, 0, -1))
         self._counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=self.device)
         self._prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)
@@ -109,35 +104,13 @@ class SamplerResource(Resource):
         else:
             raise TypeError(f"sampler overrides must be SamplerRequestConfig, got {overrides!r}")
         p = cfg.params
-        greedy = p.temperature < GREEDY_EPS
-        top_k = p.top_k if 0 < p.top_k < self.vocab_size else 0
-        features = _F_GREEDY if greedy else 0
-        if not greedy:
-            features |= (
-                (_F_TOPK if top_k else 0)
-                | (_F_TOPP if p.top_p < 1.0 else 0)
-                | (_F_MINP if p.min_p > 0.0 else 0)
-                | (_F_SEEDED if p.seed is not None else 0)
-            )
+        features, top_k, row = request_row(p, self.vocab_size)
         pen_row = 0
         if p.has_penalties:
-            features |= _F_PENALTY
+            features |= F_PENALTY
             pen_row = self._open_pen_row(cfg.prompt_token_ids)
         slot = self._take_slot()
-        self._params[slot] = to_device(
-            (
-                1.0 if greedy else p.temperature,
-                p.top_p - ops.TOP_P_EPS if p.top_p < 1.0 else 2.0,
-                ops.log_min_p(p.min_p),
-                p.repetition_penalty,
-                p.presence_penalty,
-                p.frequency_penalty,
-                float(top_k),
-                1.0 if greedy else 0.0,
-            ),
-            torch.float32,
-            self.device,
-        )
+        self._params[slot] = to_device(row, torch.float32, self.device)
         state = RequestState(
             params=p,
             slot=slot,
@@ -171,7 +144,7 @@ class SamplerResource(Resource):
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
-        self._params[req.slot] = to_device(_IDENTITY_ROW, torch.float32, self.device)
+        self._params[req.slot] = to_device(IDENTITY_ROW, torch.float32, self.device)
         self._free_slots.append(req.slot)
         if req.pen_row:
             self._free_pen_rows.append(req.pen_row)
@@ -190,9 +163,9 @@ class SamplerResource(Resource):
     def _take_slot(self) -> int:
         if not self._free_slots:
             old = self._params.shape[0]
-            grown = torch.empty((2 * old, _NCOLS), dtype=torch.float32, device=self.device)
+            grown = torch.empty((2 * old, NCOLS), dtype=torch.float32, device=self.device)
             grown[:old] = self._params
-            grown[old:] = to_device(_IDENTITY_ROW, torch.float32, self.device)
+            grown[old:] = to_device(IDENTITY_ROW, torch.float32, self.device)
             self._params = grown
             self._free_slots = list(range(2 * old - 1, old - 1, -1))
         return self._free_slots.pop()
@@ -288,86 +261,8 @@ class SamplerResource(Resource):
         )
 
     def _gather(self, step: ResourceStep, ctx: StepContext) -> SamplerPlan:
-        segments = step.segments or ()
-        real = set(ctx.request_ids)
-        rids = tuple(seg.request_id for seg in segments)
-        slots: list[int] = []
-        pen_rows: list[int] = []
-        commit_rows: list[int] = []
-        seeded_rows: list[int] = []
-        logprob_rows: list[tuple[int, int]] = []
-        grammar_rows: list[int] = []
-        min_token_rows: list[int] = []
-        bias_parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
-        any_bits = 0
-        n_greedy = 0
-        top_k_max = 0
-        any_random = False
-        top_p_alone = False
-        for i, rid in enumerate(rids):
-            req = self._reqs.get(rid)
-            if req is None:  # a padding row: greedy over identity parameters, never recorded
-                slots.append(0)
-                pen_rows.append(0)
-                n_greedy += 1
-                continue
-            if rid in real:
-                commit_rows.append(i)
-                if req.matcher is not None:
-                    grammar_rows.append(i)
-                if req.min_suppress is not None:
-                    min_token_rows.append(i)
-            if req.bias is not None:
-                bias_parts.append((i, req.bias))
-            bits = req.features
-            any_bits |= bits
-            if bits & (_F_TOPP | _F_TOPK) == _F_TOPP:
-                top_p_alone = True
-            slots.append(req.slot)
-            pen_rows.append(req.pen_row)
-            if bits & _F_GREEDY:
-                n_greedy += 1
-            elif req.seed_base is not None:
-                seeded_rows.append(i)
-            else:
-                any_random = True
-            if req.top_k > top_k_max:
-                top_k_max = req.top_k
-            if req.logprobs is not None:
-                logprob_rows.append((i, req.logprobs))
-        n = len(rids)
-        all_greedy = n_greedy == n
-        dev = self.device
-        cols = self._params.index_select(0, to_device(slots, torch.int64, dev))
-        use_pen = bool(any_bits & _F_PENALTY)
-
-        def col(c: int, live: bool) -> torch.Tensor | None:
-            return cols[:, c : c + 1] if live else None
-
-        return SamplerPlan(
-            request_ids=rids,
-            commit_rows=tuple(commit_rows),
-            all_greedy=all_greedy,
-            greedy=None if all_greedy or n_greedy == 0 else cols[:, _GREEDY] > 0,
-            temperature=col(_TEMP, not all_greedy),
-            top_k=cols[:, _TOP_K : _TOP_K + 1].long() if any_bits & _F_TOPK else None,
-            top_k_max=top_k_max,
-            top_p_cut=col(_TOP_P_CUT, bool(any_bits & _F_TOPP)),
-            top_p_in_top_k=not top_p_alone,
-            log_min_p=col(_LOG_MIN_P, bool(any_bits & _F_MINP)),
-            pen_rows=to_device(pen_rows, torch.int64, dev) if use_pen else None,
-            repetition=col(_REP, use_pen),
-            presence=col(_PRES, use_pen),
-            frequency=col(_FREQ, use_pen),
-            seeded_rows=to_device(seeded_rows, torch.int64, dev) if seeded_rows else None,
-            seeded_keys=None,
-            seeded_index=tuple(seeded_rows),
-            any_random=any_random,
-            logprob_rows=tuple(logprob_rows),
-            grammar_rows=tuple(grammar_rows),
-            bias_index=ops.bias_index(bias_parts, dev),
-            min_token_rows=tuple(min_token_rows),
-        )
+        rids = tuple(seg.request_id for seg in step.segments or ())
+        return gather_plan(self._reqs, self._params, rids, set(ctx.request_ids), self.device)
 
     def process_logits(self, plan: SamplerPlan, logits: torch.Tensor) -> torch.Tensor:
         """The logits sampling draws from (penalties, temperature, filters applied); a copy."""
