@@ -31,7 +31,6 @@ step is one `paged_decode` call: one order per position, whatever the step's com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 
 from mstar.kernels import cpu_kernels
 from mstar.kernels.attention_sinks import attend_with_sinks, softmax_with_sinks
+from mstar.kernels.paged_groups import PaddedGroup, build_group, decode_group, group_mask
 from mstar.kernels.paged_layout import (
     KernelDecodeStep,
     kv_lengths,
@@ -90,31 +90,6 @@ class PagedAttentionBackend(Protocol):
         ...
 
 
-@dataclass
-class _Group:
-    """Sequences attended together: padded to ``q_max`` queries and ``pages_max`` pages."""
-
-    page_table: torch.Tensor  # int64 [B * pages_max] page ids (padding -> a valid page)
-    kv_lens: torch.Tensor  # int64 [B] keys of each sequence
-    #: per window (0: none), bool [B, 1, q_max, pages_max * page_size], built at first use
-    #: (`_group_mask`): the kernels never read it
-    masks: dict[int, torch.Tensor]
-    q_rows: torch.Tensor  # int64 [B * q_max] row of q feeding each padded query slot
-    out_src: torch.Tensor  # int64 [n] padded slot of each real query token
-    out_dst: torch.Tensor  # int64 [n] its row in the flat output
-    q_starts: torch.Tensor  # int64 [B] first query row of each sequence (`paged_prefill`)
-    q_lens: torch.Tensor  # int64 [B] its query count
-    batch: int
-    q_max: int
-    pages_max: int
-    #: per sequence (first query row, queries, keys), for the extend path's per-row attention
-    spans: list[tuple[int, int, int]] = field(default_factory=list)
-    #: per window, the additive float32 form of its mask for the one-query matmuls
-    biases: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: rows of a layer viewed as ``[-1, head_dim]`` for K then V, head-major (see `_kv_rows`)
-    kv_rows: torch.Tensor | None = None
-
-
 class TorchPagedAttention:
     """Batched paged attention in plain torch (CPU, or any device as a reference)."""
 
@@ -134,7 +109,7 @@ class TorchPagedAttention:
         if deterministic and self._kernel is None:
             raise ValueError("deterministic attention needs the C++ CPU kernels (CPU only)")
         self.deterministic = deterministic
-        self._groups: list[_Group] = []
+        self._groups: list[PaddedGroup] = []
         self._num_tokens = 0
         self._num_qo_heads = 0
         self._num_kv_heads = 0
@@ -146,7 +121,7 @@ class TorchPagedAttention:
         self._csr: tuple[torch.Tensor, ...] = ()
         #: every query row as a one-query sequence (sliding-window prompt rows), built at
         #: first use in a step
-        self._rows: _Group | None = None
+        self._rows: PaddedGroup | None = None
 
     @property
     def uses_kernels(self) -> bool:
@@ -203,7 +178,9 @@ class TorchPagedAttention:
         self._num_tokens = int(qo[-1]) if qo.numel() else 0
         q_lens, kv_lens = q_lens.cpu(), kv_lens.cpu()
         if 0 < q_lens.shape[0] == self._num_tokens and bool((q_lens == 1).all()):
-            self._groups = [self._decode_group(kvp, kv_indices.to(torch.int64).cpu(), kv_lens)]
+            self._groups = [
+                decode_group(kvp, kv_indices.to(torch.int64).cpu(), kv_lens, self.device)
+            ]
             return
         seqs = torch.arange(q_lens.shape[0])
         self._groups = []
@@ -212,43 +189,21 @@ class TorchPagedAttention:
         for selected in (seqs[q_lens == 1], seqs[q_lens > 1]):
             if selected.numel():
                 self._groups.append(
-                    self._build_group(
+                    build_group(
                         selected,
                         qo,
                         kvp,
                         kv_indices.to(torch.int64).cpu(),
                         q_lens,
                         kv_lens,
+                        self.device,
                     )
                 )
 
-    def _decode_group(
-        self, kvp: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor
-    ) -> _Group:
-        """Every sequence one query, row b sequence b: `_build_group`'s tensors in a third of
-        its ops (a decode step's attention plan was ~5% of a batch-1 step)."""
-        n_pages = kvp[1:] - kvp[:-1]
-        pages_max = int(n_pages.max())
-        j = torch.arange(pages_max)
-        page_pos = kvp[:-1, None] + torch.minimum(j[None, :], (n_pages - 1)[:, None])
-        dev = self.device
-        batch = kv_lens.shape[0]
-        rows = torch.arange(batch, device=dev)
-        return _Group(
-            page_table=kv_indices[page_pos].reshape(-1).to(dev),
-            kv_lens=kv_lens.to(dev),
-            masks={},
-            q_rows=rows,
-            out_src=rows,
-            out_dst=rows,
-            batch=batch,
-            q_max=1,
-            pages_max=pages_max,
-            q_starts=rows,
-            q_lens=torch.ones(batch, dtype=torch.int64, device=dev),
-        )
+    def _mask(self, g: PaddedGroup, window: int) -> torch.Tensor:
+        return group_mask(g, self._page_size, self._causal, window)
 
-    def _rows_group(self) -> _Group:
+    def _rows_group(self) -> PaddedGroup:
         """This step's query rows, each a one-query sequence over the keys it sees."""
         if self._rows is None:
             qo, kvp, idx, last = self._csr
@@ -256,68 +211,8 @@ class TorchPagedAttention:
                 qo, kvp, idx, last, self._page_size, self._causal
             )
             lens = kv_lengths(rows_kvp, rows_last, self._page_size)
-            self._rows = self._decode_group(rows_kvp, rows_idx, lens)
+            self._rows = decode_group(rows_kvp, rows_idx, lens, self.device)
         return self._rows
-
-    def _group_mask(self, g: _Group, window: int = 0) -> torch.Tensor:
-        """``g.masks[window]``: key k visible to query r iff k < kv_len and (causally)
-        k <= kv_len - q_len + r, and (``window``) k > that last key - window; padded query
-        rows see key 0 only, so their softmax stays finite (they are dropped)."""
-        if window in g.masks:
-            return g.masks[window]
-        dev = g.kv_lens.device
-        keys = torch.arange(g.pages_max * self._page_size, device=dev)
-        rows = torch.arange(g.q_max, device=dev)
-        if self._causal:
-            limit = (g.kv_lens - g.q_lens)[:, None] + rows[None, :]  # [B, q_max] last visible
-        else:
-            limit = (g.kv_lens - 1)[:, None].expand(g.batch, g.q_max)
-        real = rows[None, :] < g.q_lens[:, None]  # [B, q_max]
-        mask = (keys[None, None, :] <= limit[:, :, None]) & real[:, :, None]
-        if window:
-            mask &= keys[None, None, :] > limit[:, :, None] - window
-        mask[:, :, 0] |= ~real
-        g.masks[window] = mask.unsqueeze(1)
-        return g.masks[window]
-
-    def _build_group(
-        self,
-        seqs: torch.Tensor,
-        qo: torch.Tensor,
-        kvp: torch.Tensor,
-        kv_indices: torch.Tensor,
-        q_lens_all: torch.Tensor,
-        kv_lens_all: torch.Tensor,
-    ) -> _Group:
-        batch = int(seqs.numel())
-        q_lens = q_lens_all[seqs]
-        kv_lens = kv_lens_all[seqs]
-        n_pages = kvp[seqs + 1] - kvp[seqs]
-        q_max = int(q_lens.max())
-        pages_max = int(n_pages.max())
-        # Page table: page j of sequence b, padded with the sequence's first page (masked out).
-        j = torch.arange(pages_max)
-        page_pos = kvp[seqs][:, None] + torch.minimum(j[None, :], (n_pages - 1)[:, None])
-        page_table = kv_indices[page_pos]
-        rows = torch.arange(q_max)
-        real = rows[None, :] < q_lens[:, None]  # [B, q_max]
-        q_rows = qo[seqs][:, None] + torch.minimum(rows[None, :], (q_lens - 1)[:, None])
-        slot = torch.arange(batch * q_max).view(batch, q_max)
-        dev = self.device
-        return _Group(
-            page_table=page_table.reshape(-1).to(dev),
-            kv_lens=kv_lens.to(dev),
-            masks={},
-            q_rows=q_rows.reshape(-1).to(dev),
-            out_src=slot[real].to(dev),
-            out_dst=q_rows[real].to(dev),
-            batch=batch,
-            q_max=q_max,
-            pages_max=pages_max,
-            q_starts=qo[seqs].to(dev),
-            q_lens=q_lens.to(dev),
-            spans=list(zip(qo[seqs].tolist(), q_lens.tolist(), kv_lens.tolist(), strict=True)),
-        )
 
     def run(
         self,
@@ -380,7 +275,7 @@ class TorchPagedAttention:
 
     def _extend_rows(
         self,
-        g: _Group,
+        g: PaddedGroup,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -402,14 +297,14 @@ class TorchPagedAttention:
             qb = q[start : start + n].transpose(0, 1)[None]
             kb, vb = k[b : b + 1, :, :kv_len], v[b : b + 1, :, :kv_len]
             if sinks is not None:  # SDPA has no sink: the scores, one more column, softmax
-                mask = self._group_mask(g, window)[b : b + 1, :, :n, :kv_len]
+                mask = self._mask(g, window)[b : b + 1, :, :n, :kv_len]
                 o = attend_with_sinks(qb, kb, vb, mask, self._scale, sinks)
             elif n == kv_len and self._causal and not window:
                 o = F.scaled_dot_product_attention(
                     qb, kb, vb, is_causal=True, scale=self._scale, enable_gqa=gqa
                 )
             else:
-                mask = self._group_mask(g, window)[b : b + 1, :, :n, :kv_len]
+                mask = self._mask(g, window)[b : b + 1, :, :n, :kv_len]
                 o = F.scaled_dot_product_attention(
                     qb, kb, vb, attn_mask=mask, scale=self._scale, enable_gqa=gqa
                 )
@@ -435,7 +330,7 @@ class TorchPagedAttention:
     def _kernel_decode(
         self,
         kernel: Any,
-        g: _Group,
+        g: PaddedGroup,
         q: torch.Tensor,
         kv_layer: torch.Tensor,
         window: int = 0,
@@ -458,7 +353,7 @@ class TorchPagedAttention:
         )
         return self._kernel if fits else None
 
-    def _gather(self, g: _Group, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, g: PaddedGroup, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's K and V pages, head-major ``[B, Hkv, L, D]``, in one copy of each row.
 
         Head-major is the layout both matmuls (and SDPA) want, so gathering straight into it
@@ -478,7 +373,7 @@ class TorchPagedAttention:
 
     def _decode_rows(
         self,
-        g: _Group,
+        g: PaddedGroup,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -499,7 +394,7 @@ class TorchPagedAttention:
         hq, hkv, d = self._num_qo_heads, self._num_kv_heads, self._head_dim
         group = hq // hkv
         if window not in g.biases:
-            mask = self._group_mask(g, window)
+            mask = self._mask(g, window)
             zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
             bias = zeros.masked_fill_(~mask, float("-inf")).view(g.batch, 1, 1, -1)
             g.biases[window] = bias.expand(g.batch, hkv, group, -1).reshape(
