@@ -216,7 +216,8 @@ class Decoder(nn.Module):
         if fused:  # packed float weights, else GGUF blocks as stored
             gathered = FusedDecodeWeights.gather(self.layers)
             self.fused_decode = gathered or QuantDecodeWeights.gather(self.layers)
-            self._layout_norms = [n for layer in self.layers for n in layer.layout_norms()]
+            layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+            self._layout_norms = [n for layer in layers for n in layer.layout_norms()]
 
     def _materialize(self, device: torch.device) -> None:
         """Swap meta parameters for empty real ones (Module.to_empty imports ~500 modules)."""

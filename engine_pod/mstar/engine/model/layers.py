@@ -89,7 +89,7 @@ class RMSNorm(nn.Module):
         """
         if residual is None:
             return self(x), x
-        if self.kernel_takes(x, kernels):
+        if kernels is not None and self.kernel_takes(x, kernels):
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x.add_(residual)
@@ -105,7 +105,7 @@ class RMSNorm(nn.Module):
     def norm_(self, x: torch.Tensor, kernels: Any | None) -> torch.Tensor:
         """x normed in place over its last dim (rows [T, D], or heads [T, H, D] with heads
         contiguous: q/k norm); returns x."""
-        if self.kernel_takes(x, kernels):
+        if kernels is not None and self.kernel_takes(x, kernels):
             kernels.rms_norm_(x, self.weight, self.eps)
             return x
         return x.copy_(self(x))
@@ -240,17 +240,25 @@ class DecoderLayer(nn.Module):
     @property
     def mlp_norm(self) -> RMSNorm:
         """The norm fused with the residual add before the MLP (Gemma: pre-feed-forward)."""
-        norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
-        assert isinstance(norm, RMSNorm)
-        return norm
+        return self._norm(
+            "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm"
+        )
 
     def layout_norms(self) -> list[torch.Tensor | None]:
         """The q, k, post-attention and post-feed-forward norm weights (None where absent), in
         the order `cpu_kernels.decode_layers`' layout takes them."""
-        norms: list[nn.Module | None] = [self.q_norm, self.k_norm, None, None]
+        norms: list[RMSNorm | None] = [self.q_norm, self.k_norm, None, None]
         if self.sandwich:
-            norms[2:] = [self.post_attention_layernorm, self.post_feedforward_layernorm]
+            norms[2:] = [
+                self._norm("post_attention_layernorm"),
+                self._norm("post_feedforward_layernorm"),
+            ]
         return [None if n is None else n.weight.detach() for n in norms]
+
+    def _norm(self, name: str) -> RMSNorm:
+        norm = getattr(self, name)
+        assert isinstance(norm, RMSNorm)
+        return norm
 
     def _act(self, gate_up: torch.Tensor, kernels: Any | None) -> torch.Tensor:
         """act(gate) * up of the fused gate/up rows."""
