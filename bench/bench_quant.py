@@ -248,9 +248,13 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="whole batch-1 decode steps")
     parser.add_argument("--requantize", nargs="*", default=[], metavar="TYPE")
     parser.add_argument("--new", type=int, default=128, help="decoded tokens (--decode)")
+    parser.add_argument(
+        "--file", type=Path, help="--decode: this GGUF (default: SmolLM2's Q4_1 file), e.g. "
+        "Gemma 3 270M's Q4_K_M (tests/models.py:gemma3_270m_gguf)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.decode:
-        src = model_file()
+        src = args.file or model_file()
         assert src is not None and args.llama_bench, "--decode needs the file and llama.cpp"
         files = [src] + [requantized(src, q, args.llama_bench) for q in args.requantize]
         print(f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")

@@ -1,7 +1,9 @@
 """A decode step's layers in one `cpu_kernels.decode_layers` call: the same bits as the
 layer-by-layer path, on every ISA level this CPU runs that has a small-batch GEMM of the
 model's dtype (bf16: FMA on x86-64-v3, VDPBF16PS, AMX; float32: FMA on every level from
-x86-64-v3), for Llama and for Qwen2 (QKV biases)."""
+x86-64-v3), for Llama, Qwen2 (QKV biases), Qwen3 (q/k norm, head_dim 128) and Gemma 3 (q/k
+norm, 1 + w sandwich norms, GELU-tanh, 5 sliding-window layers with their own RoPE base and KV
+groups beside a full one, windows shorter than the prompts)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 from external_tools import require_tool
 from fused_compare import compare_fused_steps
-from models import TINY_VOCAB
+from models import TINY_VOCAB, build_tiny_model
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
@@ -42,6 +44,16 @@ def level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     cpu_kernels.load.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")
+
+
 def _prompts(n: int) -> list[list[int]]:
     rng = random.Random(n)
     return [
@@ -59,7 +71,9 @@ def _engine(folder: Path, dtype: str = "bfloat16") -> LLMEngine:
 
 
 @pytest.mark.parametrize("dtype", sorted(FUSED_LEVELS))
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize(
+    "model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gemma3_dir"]
+)
 def test_fused_decode_layers_give_the_layer_by_layer_bits(
     level: str, model: str, dtype: str, request: pytest.FixtureRequest
 ) -> None:
@@ -101,5 +115,5 @@ class _DecodeOnly:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         raise AssertionError("not called")
 
-    def kernel_decode(self) -> tuple[Any, torch.Tensor] | None:
-        return (object(), torch.empty(0, dtype=torch.bfloat16)) if self.found else None
+    def kernel_decode(self) -> Any | None:
+        return object() if self.found else None

@@ -1,7 +1,9 @@
 """A decode step over GGUF blocks in one `cpu_kernels.quant_decode_layers` call: the bits of
 the layer-by-layer `QuantLinear` path, on every ISA level this CPU runs (the x86-64 baseline's
-plain C++ dots included), float32 and bf16, for a tiny Llama (one type per projection) and a
-Qwen2 (QKV biases; Q, K, V stored in different types, so QKV is several parts). Two threads:
+plain C++ dots included), float32 and bf16, for a tiny Llama (one type per projection), a
+Qwen2 (QKV biases; Q, K, V stored in different types, so QKV is several parts), a Qwen3 (q/k
+norm) and a Gemma 3 (q/k norm, 1 + w sandwich norms, GELU-tanh, sliding-window layers on
+their local RoPE base; mixed QKV types). Two threads:
 the fused call splits its columns over every part at once, the layer path part by part."""
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from external_tools import require_tool
 from fused_compare import compare_fused_steps
 from test_model_gguf_convert import write_tiny_gguf
-from test_quant_serving import QTYPES
+from test_quant_serving import MIXED_QKV, QTYPES
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
@@ -48,7 +50,7 @@ def two_threads() -> Iterator[None]:
 
 @pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_quant_fused_decode_gives_the_layer_by_layer_bits(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -72,7 +74,7 @@ def test_quant_fused_decode_gives_the_layer_by_layer_bits(
     bundle = decoder.fused_decode
     assert isinstance(bundle, QuantDecodeWeights)
     concat = isinstance(decoder.layers[0].qkv_proj, ConcatQuantLinear)
-    assert concat == (family == "qwen2") and (max(bundle.parts) > 1) == concat
+    assert concat == (family in MIXED_QKV) and (max(bundle.parts) > 1) == concat
     fused_rows = compare_fused_steps(decoder)
     rng = random.Random(0)
     vocab = decoder.config.vocab_size
@@ -85,7 +87,8 @@ def test_quant_fused_decode_gives_the_layer_by_layer_bits(
 
 def test_a_projection_not_all_blocks_is_not_gathered(tmp_path: Path, monkeypatch) -> None:
     """A model whose projections are float (``quantization="none"``) gives no bundle; the
-    C++ call refuses parts that do not fill a projection, by name."""
+    C++ call refuses parts that do not fill a projection, and a layout whose cache slot is
+    out of range, by name."""
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "llama.gguf"
     write_tiny_gguf(path, "llama", qtypes=QTYPES["llama"], hidden=64)
@@ -99,15 +102,22 @@ def test_a_projection_not_all_blocks_is_not_gathered(tmp_path: Path, monkeypatch
     hidden, dim = cfg.hidden_size, cfg.head_dim
     cache = torch.zeros(cfg.num_layers, 4, 2, 4, cfg.num_kv_heads, dim)
     cos = sin = torch.zeros(1, 1, dim // 2)
+    layers = cfg.num_layers
     args = (
         torch.zeros(1, hidden), torch.zeros(1, hidden), bundle.norm_in, bundle.norm_post,
     )  # fmt: skip
     rest = (
-        bundle.biases, cache, cos, sin, torch.zeros(1, 4, dtype=torch.int64),
-        torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), cfg.num_heads,
-        cfg.num_kv_heads, cfg.intermediate_size, 1.0, 1e-6,
+        bundle.biases, cache, [cos], [sin], [torch.zeros(1, 4, dtype=torch.int64)],
+        [torch.ones(1, dtype=torch.int64)], [torch.zeros(1, dtype=torch.int64)],
+        [None] * (4 * layers), [0, 0, 0, 0] * layers, False, cfg.num_heads, cfg.num_kv_heads,
+        cfg.intermediate_size, 1.0, 1e-6,
     )  # fmt: skip
     short = bundle.blocks[:]
     short[0] = short[0][:-1]  # QKV one row short
     with pytest.raises(RuntimeError, match="parts hold"):
         decoder.cpu_kernels.quant_decode_layers(*args, short, bundle.types, bundle.parts, *rest)
+    bad_slot = (*rest[:8], [0, 0, 0, layers] * layers, *rest[9:])
+    with pytest.raises(RuntimeError, match="cache slot is out of range"):
+        decoder.cpu_kernels.quant_decode_layers(
+            *args, bundle.blocks, bundle.types, bundle.parts, *bad_slot
+        )

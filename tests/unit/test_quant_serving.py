@@ -94,10 +94,9 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="mstar.engine.model.loader"):
         quant, cfg, tok = load_model(path, "float32")
     dense, _, _ = load_model(path, "float32", quantization="none")
-    # the fused C++ decode over the blocks (test_quant_fused_decode's) where the family's
-    # layer is the one it implements
+    # the fused C++ decode over the blocks (test_quant_fused_decode's)
     fused = isinstance(quant.fused_decode, QuantDecodeWeights)
-    assert fused == (family in ("llama", "qwen2"))
+    assert fused  # every dense family's layer, Gemma 3's and Qwen3's too
 
     # every projection holds the file's blocks, and nothing else of its weight; a tied head
     # is quantized where the embedding is

@@ -22,8 +22,12 @@
 - ``rope_``: rotate_half RoPE on Q and K in place (float32 or bf16), bit-identical to the torch
   ops (bf16 denormals aside: where the CPU has AVX512-BF16, one VCVTNEPS2BF16 rounds to bf16,
   and it flushes them to zero).
-- ``silu_mul``: SiLU(gate) * up from the fused gate/up output in one pass (float32 or bf16; its
-  own vectorised exp, so within float32 rounding of torch's before any bf16 rounding).
+- ``silu_mul`` / ``gelu_tanh_mul``: SiLU(gate) * up or GELU-tanh(gate) * up (Gemma) from the
+  fused gate/up output in one pass (float32 or bf16; its own vectorised exp, so within float32
+  rounding of torch's before any bf16 rounding).
+- ``rms_norm_``: RMSNorm in place over rows or each head of rows (q/k norm, Gemma's
+  post-attention and post-feed-forward norms); a float32 weight on bf16 rows is Gemma's
+  ``1 + w``, applied in float32 before the one rounding (as the ``add_rms_norm_`` weight too).
 - ``sample_rows``: one draw per row from softmax(logits) by inverse CDF with one uniform per
   row (the torch path draws Gumbel noise for every vocab entry: uniform, two logs, an add).
 - ``argmax_rows``: the sampler's greedy argmax over a [rows, vocab] float32 or bf16 batch, one
@@ -42,7 +46,9 @@
   slot's A and B (`mstar.kernels.lora`).
 - ``decode_layers``: every decoder layer of a decode step in one call, over the kernels
   above in the order `DecoderLayer.forward` calls them (the same bits): at batch 1 the ~25
-  Python dispatches per layer around them were ~15% of a step.
+  Python dispatches per layer around them were ~15% of a step. Llama's block and what Qwen3
+  and Gemma 3 add to it (q/k norm, sandwich norms, GELU-tanh, per-layer RoPE table, window
+  and KV group: `DecodeLayout` in bindings.cpp).
 
 These are per-layer ops on small tensors in a decode step, where dispatch and passes over memory
 cost more than the arithmetic: SmolLM2 at batch 32 ran ~20 of them per layer around the GEMMs.
@@ -82,6 +88,8 @@ FUNCTIONS = (
     "rope_",
     "argmax_rows",
     "silu_mul",
+    "gelu_tanh_mul",
+    "rms_norm_",
     "sample_rows",
     "amx_available",
     "amx_pack_weight",

@@ -5,7 +5,7 @@ major row ids of a gathered layer, and a decode-only step resolved once for the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -120,6 +120,18 @@ class KernelDecodeStep:
             q, kv_layer, self.page_table, self.kv_lens, self.scale, window, sinks
         )
         return out
+
+
+class KernelDecodeLayers(NamedTuple):
+    """A decode-only step for `cpu_kernels.decode_layers`: each KV group's `KernelDecodeStep`
+    (one on a model without sliding-window groups), the whole cache [slots, pages, 2, S, Hkv,
+    D], and per layer its window (0: all keys), KV group and slot in the cache's first dim."""
+
+    steps: tuple[KernelDecodeStep, ...]
+    cache: torch.Tensor
+    windows: tuple[int, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
 
 
 def kv_row_ids(page_table: torch.Tensor, page_size: int, heads: int) -> torch.Tensor:

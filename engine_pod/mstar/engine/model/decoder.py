@@ -31,7 +31,7 @@ from mstar.engine.model.linear import DenseLinearMethod, Linears, LinearSpec, Me
 from mstar.engine.model.moe import MoeBlock
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.kernels.cpu_gemm import PackedLinear
-from mstar.kernels.paged_attention import KernelDecodeStep
+from mstar.kernels.paged_layout import KernelDecodeLayers
 
 if TYPE_CHECKING:
     from mstar.engine.lora.layer import LoraRows
@@ -46,18 +46,18 @@ __all__ = [
 ]
 
 
+#: the gate activations `cpu_kernels.decode_layers` runs (SiLU; Gemma's GELU-tanh)
+FUSED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 def fused_decode_refusal(cfg: ModelConfig, family_supports: bool = True) -> str | None:
     """Why `cpu_kernels.decode_layers` cannot run this model's layers (None: it can). That
-    kernel is a Llama block (plain RMSNorm, SiLU, one RoPE table, full attention): anything
-    else is refused by name, never skipped inside it."""
+    kernel runs a Llama block plus what Qwen3 and Gemma 3 add (q/k norm, ``1 + w`` and
+    sandwich norms, GELU-tanh, per-layer RoPE tables, windows and KV groups): anything else
+    is refused by name, never skipped inside it."""
     checks = (
         (not family_supports, f"the {cfg.family} layer"),
-        (cfg.qk_norm, "q/k norm"),
-        (any(cfg.layer_windows), "sliding-window attention"),
-        (cfg.norm_offset, "(1 + w) RMSNorm"),
-        (cfg.sandwich_norms, "post-attention / feed-forward norms"),
-        (cfg.hidden_act != "silu", f"{cfg.hidden_act} activation"),
-        (cfg.local_rope is not None, "per-layer RoPE tables"),
+        (cfg.hidden_act not in FUSED_ACTIVATIONS, f"{cfg.hidden_act} activation"),
         (cfg.attn_sinks, "attention sinks"),
     )
     reasons = [why for bad, why in checks if bad]
@@ -68,9 +68,9 @@ def fused_decode_refusal(cfg: ModelConfig, family_supports: bool = True) -> str 
 class KernelDecodeContext(Protocol):
     """An `AttentionContext` that can hand a decode-only step to `cpu_kernels.decode_layers`."""
 
-    def kernel_decode(self) -> tuple[KernelDecodeStep, torch.Tensor] | None:
-        """(the step, the whole cache [layers, pages, 2, S, Hkv, D]) when every row decodes
-        one token on the C++ kernels and the cache is contiguous; None otherwise."""
+    def kernel_decode(self) -> KernelDecodeLayers | None:
+        """The step per KV group, the whole cache and where each layer reads, when every row
+        decodes one token on the C++ kernels and the cache is contiguous; None otherwise."""
         ...
 
 
@@ -85,7 +85,8 @@ class FusedDecode(Protocol):
 
     def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
         """(the `cpu_kernels` function, the weights it takes after h and residual); the
-        cache, RoPE tables, step and shapes follow them, the same for every bundle."""
+        cache, RoPE tables, KV groups, layout and shapes follow them, the same for every
+        bundle."""
         ...
 
 
@@ -119,7 +120,7 @@ class FusedDecodeWeights:
                 max_rows = min(max_rows, linear.small_batch_max_rows)
         return FusedDecodeWeights(
             norm_in=[layer.input_layernorm.weight.detach() for layer in layers],
-            norm_post=[layer.post_attention_layernorm.weight.detach() for layer in layers],
+            norm_post=[layer.mlp_norm.weight.detach() for layer in layers],
             qkv=packed["qkv_proj"],
             o=packed["o_proj"],
             gate_up=packed["gate_up_proj"],
@@ -185,6 +186,10 @@ class Decoder(nn.Module):
         #: every layer's weights for `cpu_kernels.decode_layers` (`finalize_linears` gathers
         #: them where the layers allow it), or None: decode steps go layer by layer
         self.fused_decode: FusedDecode | None = None
+        #: per layer, the norms the Llama block lacks (`DecoderLayer.layout_norms`, 4 each)
+        self._layout_norms: list[torch.Tensor | None] = []
+        #: `_layout_ints` per (windows, KV groups, cache slots) of a step, made once
+        self._layout_ints: dict[tuple[tuple[int, ...], ...], list[int]] = {}
         #: the step's rows -> LoRA adapter slots when adapters are served (`lora.LoraManager`)
         self.lora_rows: LoraRows | None = None
         #: Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype first
@@ -200,6 +205,8 @@ class Decoder(nn.Module):
                 self.ropes[r] = RotaryEmbedding(
                     cfg.head_dim, positions, r.theta, r.scaling, dtype=dtype, device=device
                 )
+        #: per layer, its table's index in `ropes` (the fused decode's cos / sin lists)
+        self.rope_index = [list(self.ropes).index(r) for r in self.layer_ropes]
 
     def finalize_linears(self, picker: MethodPicker, fused: bool) -> None:
         """Swap every projection for its method's runtime module (after loading); ``fused``:
@@ -209,6 +216,8 @@ class Decoder(nn.Module):
         if fused:  # packed float weights, else GGUF blocks as stored
             gathered = FusedDecodeWeights.gather(self.layers)
             self.fused_decode = gathered or QuantDecodeWeights.gather(self.layers)
+            layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+            self._layout_norms = [n for layer in layers for n in layer.layout_norms()]
 
     def _materialize(self, device: torch.device) -> None:
         """Swap meta parameters for empty real ones (Module.to_empty imports ~500 modules)."""
@@ -253,7 +262,6 @@ class Decoder(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         cos_sins = {r: table.lookup(positions) for r, table in self.ropes.items()}
-        cos_sin = cos_sins[self.layer_ropes[0]]
         residual: torch.Tensor | None = None
         if self.deterministic and self.cpu_kernels is not None:
             residual = torch.zeros_like(hidden)  # residual + x == x exactly
@@ -267,7 +275,7 @@ class Decoder(nn.Module):
         prune = last > 0 and logits_indices.shape[0] < input_ids.shape[0]
         fused = None if prune else self._fused_layers(attn, input_ids.shape[0])
         if fused is not None:
-            hidden, residual = self._run_fused_layers(*fused, hidden, residual, cos_sin)
+            hidden, residual = self._run_fused_layers(fused, hidden, residual, cos_sins)
         for i, layer in enumerate(self.layers if fused is None else ()):
             keep = logits_indices if prune and i == last else None
             rope = self.layer_ropes[i]
@@ -290,13 +298,10 @@ class Decoder(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _fused_layers(
-        self, attn: AttentionContext, rows: int
-    ) -> tuple[KernelDecodeStep, torch.Tensor] | None:
-        """(the step, the whole cache) where every layer can run in one
-        `cpu_kernels.decode_layers` call: a decode step of at most the small-batch GEMMs'
-        rows on the C++ kernels; None where the step goes layer by layer (which computes the
-        same bits, one kernel call at a time)."""
+    def _fused_layers(self, attn: AttentionContext, rows: int) -> KernelDecodeLayers | None:
+        """The step where every layer can run in one `cpu_kernels.decode_layers` call: a
+        decode step of at most the small-batch GEMMs' rows on the C++ kernels; None where the
+        step goes layer by layer (which computes the same bits, one kernel call at a time)."""
         weights = self.fused_decode
         if self.cpu_kernels is None or weights is None or rows > weights.max_rows:
             return None
@@ -306,11 +311,10 @@ class Decoder(nn.Module):
 
     def _run_fused_layers(
         self,
-        step: KernelDecodeStep,
-        cache: torch.Tensor,
+        step: KernelDecodeLayers,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: CosSin,
+        cos_sins: dict[Rope, CosSin],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer 0's first norm here (the layer path's), then every layer in one call."""
         weights, kernels, cfg = self.fused_decode, self.cpu_kernels, self.config
@@ -318,8 +322,22 @@ class Decoder(nn.Module):
         first: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
         h, residual = first.add_forward(hidden, residual, kernels)
         name, args = weights.kernel_call()
+        tables = list(cos_sins.values())
+        groups = step.steps
         out, residual = getattr(kernels, name)(
-            h, residual, *args, cache, *cos_sin, step.page_table, step.kv_lens, step.slots,
-            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, step.scale, first.eps,
+            h, residual, *args, step.cache, [c for c, _ in tables], [s for _, s in tables],
+            [g.page_table for g in groups], [g.kv_lens for g in groups],
+            [g.slots for g in groups], self._layout_norms, self._layout_ints_for(step),
+            self.layers[0].gelu, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
+            groups[0].scale, first.eps,
         )  # fmt: skip
         return out, residual
+
+    def _layout_ints_for(self, step: KernelDecodeLayers) -> list[int]:
+        """Per layer (RoPE table, window, KV group, cache slot), as `decode_layers` takes them."""
+        key = (step.windows, step.layer_group, step.layer_slot)
+        ints = self._layout_ints.get(key)
+        if ints is None:
+            per_layer = zip(self.rope_index, *key, strict=True)
+            ints = self._layout_ints[key] = [v for layer in per_layer for v in layer]
+        return ints

@@ -222,7 +222,7 @@ class QuantDecodeWeights:
                 max_rows = min(max_rows, *(p.dequant_min_rows - 1 for p in parts))
         return QuantDecodeWeights(
             norm_in=[layer.input_layernorm.weight.detach() for layer in layers],
-            norm_post=[layer.post_attention_layernorm.weight.detach() for layer in layers],
+            norm_post=[layer.mlp_norm.weight.detach() for layer in layers],
             blocks=blocks,
             types=types,
             parts=counts,

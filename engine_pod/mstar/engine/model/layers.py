@@ -89,11 +89,26 @@ class RMSNorm(nn.Module):
         """
         if residual is None:
             return self(x), x
-        if kernels is not None and x.dtype in cpu_kernels.DTYPES and x.dtype == self.weight.dtype:
+        if kernels is not None and self.kernel_takes(x, kernels):
             kernels.add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         residual = x.add_(residual)
         return self(residual), residual
+
+    def kernel_takes(self, x: torch.Tensor, kernels: Any | None) -> bool:
+        """True where `cpu_kernels`' norms run on x: its dtype, the weight in it or (Gemma's
+        ``1 + w``) float32 on bf16, as `decode_layers` runs them."""
+        if kernels is None or x.dtype not in cpu_kernels.DTYPES:
+            return False
+        return self.weight.dtype == x.dtype or (self.offset and x.dtype == torch.bfloat16)
+
+    def norm_(self, x: torch.Tensor, kernels: Any | None) -> torch.Tensor:
+        """x normed in place over its last dim (rows [T, D], or heads [T, H, D] with heads
+        contiguous: q/k norm); returns x."""
+        if kernels is not None and self.kernel_takes(x, kernels):
+            kernels.rms_norm_(x, self.weight, self.eps)
+            return x
+        return x.copy_(self(x))
 
 
 #: a step's (cos, sin) per RoPE table, gathered once for every layer that uses it
@@ -195,8 +210,8 @@ class DecoderLayer(nn.Module):
         qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             hq = self.num_heads
-            qk[:, :hq] = self.q_norm.forward(qk[:, :hq])
-            qk[:, hq:] = self.k_norm.forward(qk[:, hq:])
+            self.q_norm.norm_(qk[:, :hq], kernels)
+            self.k_norm.norm_(qk[:, hq:], kernels)
         rope.rotate_(qk, *cos_sin, kernels=kernels)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -210,7 +225,7 @@ class DecoderLayer(nn.Module):
             o, residual = o[keep_rows], residual[keep_rows]
         h = self.o_proj.forward(o)
         if self.sandwich:
-            h = self.post_attention_layernorm.forward(h)
+            h = self.post_attention_layernorm.norm_(h, kernels)
             x, residual = self.pre_feedforward_layernorm.add_forward(h, residual, kernels)
         else:
             x, residual = self.post_attention_layernorm.add_forward(h, residual, kernels)
@@ -219,13 +234,37 @@ class DecoderLayer(nn.Module):
         else:
             out = self.down_proj.forward(self._act(self.gate_up_proj.forward(x), kernels))
         if self.sandwich:
-            out = self.post_feedforward_layernorm.forward(out)
+            out = self.post_feedforward_layernorm.norm_(out, kernels)
         return out, residual
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm fused with the residual add before the MLP (Gemma: pre-feed-forward)."""
+        return self._norm(
+            "pre_feedforward_layernorm" if self.sandwich else "post_attention_layernorm"
+        )
+
+    def layout_norms(self) -> list[torch.Tensor | None]:
+        """The q, k, post-attention and post-feed-forward norm weights (None where absent), in
+        the order `cpu_kernels.decode_layers`' layout takes them."""
+        norms: list[RMSNorm | None] = [self.q_norm, self.k_norm, None, None]
+        if self.sandwich:
+            norms[2:] = [
+                self._norm("post_attention_layernorm"),
+                self._norm("post_feedforward_layernorm"),
+            ]
+        return [None if n is None else n.weight.detach() for n in norms]
+
+    def _norm(self, name: str) -> RMSNorm:
+        norm = getattr(self, name)
+        assert isinstance(norm, RMSNorm)
+        return norm
 
     def _act(self, gate_up: torch.Tensor, kernels: Any | None) -> torch.Tensor:
         """act(gate) * up of the fused gate/up rows."""
-        if not self.gelu and kernels is not None and gate_up.dtype in cpu_kernels.DTYPES:
-            out: torch.Tensor = kernels.silu_mul(gate_up)
+        if kernels is not None and gate_up.dtype in cpu_kernels.DTYPES:
+            act = kernels.gelu_tanh_mul if self.gelu else kernels.silu_mul
+            out: torch.Tensor = act(gate_up)
             return out
         gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
         # In place on fresh temporaries: two fewer allocations of [T, inter] per layer.

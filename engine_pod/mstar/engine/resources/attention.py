@@ -32,6 +32,7 @@ from mstar.engine.resources.static_buffers import GrowOnlyBuffers
 from mstar.engine.resources.step import ResourceStep, SlotLease, StepContext
 from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention, write_kv
 from mstar.kernels.paged_attention import KernelDecodeStep
+from mstar.kernels.paged_layout import KernelDecodeLayers
 
 
 class PaddedLayout(NamedTuple):
@@ -104,15 +105,20 @@ class PagedAttentionContext:
             for b, s in zip(self.backends, self.write_slots, strict=True)
         )
 
-    def kernel_decode(self) -> tuple[KernelDecodeStep, torch.Tensor] | None:
+    def kernel_decode(self) -> KernelDecodeLayers | None:
         """This step for `cpu_kernels.decode_layers` (see `Decoder`), where it is decode-only
-        on the kernels, the cache is contiguous and one KV group holds every layer; None
-        otherwise."""
+        on the kernels in every KV group and the cache is contiguous; None otherwise."""
         cache = self.cache.tensor
-        decode = self.decodes[0]
-        if decode is None or len(self.decodes) > 1 or not cache.is_contiguous():
+        if any(d is None for d in self.decodes) or not cache.is_contiguous():
             return None
-        return decode, cache
+        layers = len(self.cache.layer_slot)
+        return KernelDecodeLayers(
+            steps=self.decodes,  # type: ignore[arg-type]  # no None: checked above
+            cache=cache,
+            windows=self.windows or (0,) * layers,
+            layer_group=self.layer_group or (0,) * layers,
+            layer_slot=tuple(self.cache.layer_slot),
+        )
 
     def attend(
         self,

@@ -34,6 +34,22 @@ void by_dtype(const torch::Tensor& x, const char* op, F&& f) {
     TORCH_CHECK(false, op, ": float32 or bfloat16 only");
 }
 
+// Calls f(T, WT) for an RMSNorm of x by weight w [n] (contiguous): WT is x's dtype (HF's
+// convention), or float32 on bf16 x (Gemma's 1 + w, applied in float32 before one rounding).
+template <typename F>
+void by_norm_dtype(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const char* op,
+                   F&& f) {
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == n, op, ": weight must be a ",
+              "contiguous [", n, "]");
+  if (w.scalar_type() == x.scalar_type()) {
+    by_dtype(x, op, [&](auto tag) { f(tag, tag); });
+    return;
+  }
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kFloat32, op,
+              ": weight in x's dtype, or float32 on bfloat16 x");
+  f(c10::BFloat16{}, float{});
+}
+
 // A GEMM's optional bias [N] as a pointer (null for none), refused unless contiguous T.
 template <typename T = c10::BFloat16>
 const T* linear_bias(const c10::optional<torch::Tensor>& bias, int64_t n, const char* op) {
@@ -178,34 +194,56 @@ void write_kv(torch::Tensor kv_layer, torch::Tensor k, torch::Tensor v, torch::T
   }
 }
 
-// x, residual [T, H] and weight [H], all float32 or all bf16: see `add_rms_norm_rows`.
+// x, residual [T, H] (float32 or bf16, one dtype) and weight [H] (`by_norm_dtype`): see
+// `add_rms_norm_rows`.
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(glue_dtype(x) && residual.scalar_type() == x.scalar_type() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm_: x, residual and weight all float32 or all bfloat16");
+  TORCH_CHECK(glue_dtype(x) && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: x and residual both float32 or both bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() &&
-                  weight.is_contiguous() && residual.sizes() == x.sizes() &&
-                  weight.dim() == 1 && weight.size(0) == x.size(1),
-              "add_rms_norm_: x and residual [T, H] contiguous, weight [H]");
-  by_dtype(x, "add_rms_norm_", [&](auto tag) {
+                  residual.sizes() == x.sizes(),
+              "add_rms_norm_: x and residual [T, H] contiguous");
+  by_norm_dtype(x, weight, x.size(1), "add_rms_norm_", [&](auto tag, auto wtag) {
     using T = decltype(tag);
-    mstar_cpu::add_rms_norm_rows(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), x.size(0),
-                      x.size(1), static_cast<float>(eps));
+    using WT = decltype(wtag);
+    mstar_cpu::add_rms_norm_rows<T, WT>(x.data_ptr<T>(), residual.data_ptr<T>(),
+                                        weight.data_ptr<WT>(), x.size(0), x.size(1),
+                                        static_cast<float>(eps));
   });
 }
 
-// x [T, 2I] (gate | up, the fused projection's output), float32 or bf16 -> [T, I].
-torch::Tensor silu_mul(torch::Tensor x) {
-  TORCH_CHECK(glue_dtype(x) && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
-              "silu_mul: float32 or bfloat16 contiguous [T, 2I]");
+// RMSNorm in place over x's last dim: x [T, D] (rows contiguous) or [T, H, D] (heads
+// contiguous: q/k norm over a slice of fused QKV rows); weight [D] (`by_norm_dtype`).
+void rms_norm_(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(glue_dtype(x) && (x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1 &&
+                  (x.dim() == 2 || x.stride(1) == x.size(2)),
+              "rms_norm_: float32 or bfloat16 [T, D] or [T, H, D] with contiguous rows");
+  const int64_t heads = x.dim() == 3 ? x.size(1) : 1, dim = x.size(-1);
+  by_norm_dtype(x, weight, dim, "rms_norm_", [&](auto tag, auto wtag) {
+    using T = decltype(tag);
+    using WT = decltype(wtag);
+    mstar_cpu::rms_norm_rows<T, WT>(x.data_ptr<T>(), x.size(0), heads, x.stride(0), dim,
+                                    weight.data_ptr<WT>(), static_cast<float>(eps));
+  });
+}
+
+// x [T, 2I] (gate | up, the fused projection's output), float32 or bf16 -> [T, I]:
+// act(gate) * up, act SiLU or (gelu) GELU-tanh.
+torch::Tensor act_mul(const torch::Tensor& x, bool gelu, const char* op) {
+  TORCH_CHECK(glue_dtype(x) && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, op,
+              ": float32 or bfloat16 contiguous [T, 2I]");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   auto out = torch::empty({rows, inter}, x.options());
-  by_dtype(x, "silu_mul", [&](auto tag) {
+  by_dtype(x, op, [&](auto tag) {
     using T = decltype(tag);
-    mstar_cpu::silu_mul_rows(x.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
+    if (gelu)
+      mstar_cpu::gelu_tanh_mul_rows(x.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
+    else
+      mstar_cpu::silu_mul_rows(x.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
   });
   return out;
 }
+torch::Tensor silu_mul(torch::Tensor x) { return act_mul(x, false, "silu_mul"); }
+torch::Tensor gelu_tanh_mul(torch::Tensor x) { return act_mul(x, true, "gelu_tanh_mul"); }
 
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(glue_dtype(x) && x.dim() == 2 && x.stride(1) == 1,
@@ -392,35 +430,80 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   }
 }
 
-// The layer loop of a fused decode step: per layer add+RMSNorm, QKV, RoPE, the K/V write,
-// paged decode attention, O, add+RMSNorm, gate/up, SiLU*up and down, the same kernels in the
-// same order as `DecoderLayer.forward` calls them one by one (so the same bits), without its
-// ~25 Python dispatches per layer. proj(x, layer, j) runs the layer's projection j (QKV, O,
-// gate/up, down) on x [T, K] -> [T, N]. x: layer 0's normed input; residual updated in place.
+// Where a fused decode step's layers differ from the Llama block and where their attention
+// reads, as `decode_layers` / `quant_decode_layers` take it (the Python side: `Decoder`'s
+// `FusedLayout`). Per layer i: norms[4i .. 4i+3] the q norm and k norm (over each head, before
+// RoPE), the post-attention and post-feed-forward norms (Gemma's sandwich: norm_post is then
+// the pre-feed-forward norm), None where absent; ints[4i .. 4i+3] its RoPE table (cos / sin
+// index: Gemma's local and global bases), its sliding window (0: none), its KV group (index of
+// page_tables / kv_lens / slots: a hybrid model's sliding layers have pages of their own) and
+// its slot in the cache's first dim. gelu: a GELU-tanh gate, else SiLU.
+struct DecodeLayout {
+  std::vector<c10::optional<torch::Tensor>> norms;
+  std::vector<int64_t> ints;
+  std::vector<torch::Tensor> cos, sin, page_tables, kv_lens, slots;
+  bool gelu;
+
+  void check(int64_t layers, const torch::Tensor& cache, const char* op) const {
+    TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), op,
+                ": cache must be a contiguous [slots, pages, 2, S, Hkv, D]");
+    TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * layers &&
+                    static_cast<int64_t>(ints.size()) == 4 * layers,
+                op, ": 4 layout norms and 4 layout ints per layer");
+    const auto tables = static_cast<int64_t>(cos.size());
+    const auto groups = static_cast<int64_t>(page_tables.size());
+    TORCH_CHECK(tables > 0 && static_cast<int64_t>(sin.size()) == tables && groups > 0 &&
+                    static_cast<int64_t>(kv_lens.size()) == groups &&
+                    static_cast<int64_t>(slots.size()) == groups,
+                op, ": a cos and a sin per RoPE table, a page table, kv_lens and slots per group");
+    for (int64_t i = 0; i < layers; ++i) {
+      const int64_t* in = ints.data() + 4 * i;
+      TORCH_CHECK(in[0] >= 0 && in[0] < tables && in[1] >= 0 && in[2] >= 0 && in[2] < groups &&
+                      in[3] >= 0 && in[3] < cache.size(0),
+                  op, ": layer ", i, "'s RoPE table, window, KV group or cache slot is out of range");
+    }
+  }
+};
+
+// The layer loop of a fused decode step: per layer add+RMSNorm, QKV, q/k norm, RoPE, the K/V
+// write, paged decode attention, O, (post-attention norm,) add+RMSNorm, gate/up, act*up, down
+// (, post-feed-forward norm): the same kernels in the same order as `DecoderLayer.forward`
+// calls them one by one (so the same bits), without its ~25 Python dispatches per layer.
+// proj(x, layer, j) runs the layer's projection j (QKV, O, gate/up, down) on x [T, K] ->
+// [T, N]. x: layer 0's normed input; residual updated in place.
 template <class Proj>
 std::vector<torch::Tensor> run_decode_layers(
     torch::Tensor x, torch::Tensor residual, const std::vector<torch::Tensor>& norm_in,
     const std::vector<torch::Tensor>& norm_post, const torch::Tensor& cache,
-    const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& page_table,
-    const torch::Tensor& kv_lens, const torch::Tensor& slots, int64_t num_heads,
-    int64_t num_kv_heads, double scale, double eps, Proj&& proj) {
-  const int64_t t = x.size(0), dim = cache.size(5), layers = cache.size(0);
+    const DecodeLayout& layout, int64_t num_heads, int64_t num_kv_heads, double scale,
+    double eps, Proj&& proj) {
+  const int64_t t = x.size(0), dim = cache.size(5);
+  const auto layers = static_cast<int64_t>(norm_in.size());
   const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
   const int64_t qk_heads = num_heads + num_kv_heads;
   for (int64_t i = 0; i < layers; ++i) {
+    const int64_t* in = layout.ints.data() + 4 * i;
+    const int64_t rope = in[0], window = in[1], group = in[2];
+    const auto* norm = layout.norms.data() + 4 * i;
     if (i > 0) add_rms_norm_(x, residual, norm_in[i], eps);
     const auto fused = proj(x, i, 0);
     const auto qk = fused.narrow(1, 0, q_size + kv_size).view({t, qk_heads, dim});
-    rope_(qk, cos, sin);
-    const auto kv_layer = cache.select(0, i);
+    if (norm[0]) rms_norm_(qk.narrow(1, 0, num_heads), *norm[0], eps);
+    if (norm[1]) rms_norm_(qk.narrow(1, num_heads, num_kv_heads), *norm[1], eps);
+    rope_(qk, layout.cos[rope], layout.sin[rope]);
+    const auto kv_layer = cache.select(0, in[3]);
     write_kv(kv_layer, qk.narrow(1, num_heads, num_kv_heads),
-             fused.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim}), slots);
-    const auto attn = paged_decode(qk.narrow(1, 0, num_heads), kv_layer, page_table, kv_lens,
-                                   scale, 0, c10::nullopt);
+             fused.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim}),
+             layout.slots[group]);
+    const auto attn = paged_decode(qk.narrow(1, 0, num_heads), kv_layer,
+                                   layout.page_tables[group], layout.kv_lens[group], scale,
+                                   window, c10::nullopt);
     x = proj(attn.view({t, q_size}), i, 1);
+    if (norm[2]) rms_norm_(x, *norm[2], eps);
     add_rms_norm_(x, residual, norm_post[i], eps);
-    const auto act = silu_mul(proj(x, i, 2));
+    const auto act = act_mul(proj(x, i, 2), layout.gelu, "decode_layers");
     x = proj(act, i, 3);
+    if (norm[3]) rms_norm_(x, *norm[3], eps);
   }
   return {x, residual};
 }
@@ -429,16 +512,19 @@ std::vector<torch::Tensor> run_decode_layers(
 // (`run_decode_layers`; a batch-1 step 13.4-14.7 -> 12.0-12.5 ms against the layer path).
 // h [T, H]: layer 0's normed input; residual [T, H] (updated in place); per layer (lists of
 // num_layers): the norm weights, the four packed weights and their biases (4 per layer, None
-// where absent); cache [layers, pages, 2, S, Hkv, D]; cos / sin [T, 1, D/2]; page_table,
-// kv_lens and slots as `paged_decode` and `write_kv` take them. Returns (the last layer's MLP
-// output, residual).
+// where absent); cache [slots, pages, 2, S, Hkv, D]; per RoPE table its cos / sin [T, 1, D/2];
+// per KV group its page_table, kv_lens and slots as `paged_decode` and `write_kv` take them;
+// layout_norms / layout_ints / gelu as `DecodeLayout` reads them. Returns (the last layer's
+// MLP output, residual).
 std::vector<torch::Tensor> decode_layers(
     torch::Tensor h, torch::Tensor residual, std::vector<torch::Tensor> norm_in,
     std::vector<torch::Tensor> norm_post, std::vector<torch::Tensor> qkv,
     std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
     std::vector<torch::Tensor> down, std::vector<c10::optional<torch::Tensor>> biases,
-    torch::Tensor cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor page_table,
-    torch::Tensor kv_lens, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
+    torch::Tensor cache, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+    std::vector<torch::Tensor> page_tables, std::vector<torch::Tensor> kv_lens,
+    std::vector<torch::Tensor> slots, std::vector<c10::optional<torch::Tensor>> layout_norms,
+    std::vector<int64_t> layout_ints, bool gelu, int64_t num_heads, int64_t num_kv_heads,
     int64_t inter, double scale, double eps) {
   const auto layers = static_cast<int64_t>(qkv.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(norm_in.size()) == layers &&
@@ -448,14 +534,16 @@ std::vector<torch::Tensor> decode_layers(
                   static_cast<int64_t>(down.size()) == layers &&
                   static_cast<int64_t>(biases.size()) == 4 * layers,
               "decode_layers: every per-layer list needs one entry per layer (4 biases)");
-  TORCH_CHECK(cache.dim() == 6 && cache.size(0) == layers && cache.is_contiguous(),
-              "decode_layers: cache must be a contiguous [layers, pages, 2, S, Hkv, D]");
+  const DecodeLayout layout{std::move(layout_norms), std::move(layout_ints), std::move(cos),
+                            std::move(sin), std::move(page_tables), std::move(kv_lens),
+                            std::move(slots), gelu};
+  layout.check(layers, cache, "decode_layers");
   TORCH_CHECK(h.dim() == 2 && h.sizes() == residual.sizes(), "decode_layers: h / residual [T, H]");
   const int64_t hidden = h.size(1), dim = cache.size(5);
   const int64_t ns[4] = {(num_heads + 2 * num_kv_heads) * dim, hidden, 2 * inter, hidden};
   const std::vector<torch::Tensor>* weights[4] = {&qkv, &o, &gate_up, &down};
-  return run_decode_layers(h, residual, norm_in, norm_post, cache, cos, sin, page_table,
-                           kv_lens, slots, num_heads, num_kv_heads, scale, eps,
+  return run_decode_layers(h, residual, norm_in, norm_post, cache, layout, num_heads,
+                           num_kv_heads, scale, eps,
                            [&](const torch::Tensor& x, int64_t i, int64_t j) {
                              return small_linear(x, (*weights[j])[i], ns[j], biases[4 * i + j]);
                            });
@@ -485,6 +573,8 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(rope_);
   MSTAR_DEF(argmax_rows);
   MSTAR_DEF(silu_mul);
+  MSTAR_DEF(gelu_tanh_mul);
+  MSTAR_DEF(rms_norm_);
   MSTAR_DEF(sample_rows);
   MSTAR_DEF(amx_available);
   MSTAR_DEF(amx_pack_weight);

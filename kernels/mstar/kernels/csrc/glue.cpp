@@ -1,7 +1,9 @@
-// The fused glue around the GEMMs: RoPE, residual add + RMSNorm, SiLU * up (float32 or bf16,
-// rounded where torch's ops round).
+// The fused glue around the GEMMs: RoPE, residual add + RMSNorm, RMSNorm of rows or heads,
+// SiLU * up and GELU-tanh * up (float32 or bf16, rounded where torch's ops round).
 #include "kernels.h"
 #include "vec.h"
+
+#include <type_traits>
 
 namespace mstar_cpu {
 namespace {
@@ -49,10 +51,40 @@ void rotate_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t 
   });
 }
 
+namespace {
+
+// x = weight-scaled src * inv over n floats, rounded where torch's RMSNorm rounds: WT == T is
+// HF's `weight * T(x * inv)` (two roundings to T); WT == float on bf16 rows is Gemma's `1 + w`
+// held in float32, `T(x * inv * w)` (one rounding).
+template <typename T, typename WT>
+inline void scale_norm(T* dst, const T* src, const WT* w, int64_t n, float inv) {
+  const int64_t vec_end = n / W * W;
+  for (int64_t i = 0; i < vec_end; i += W) {
+    if constexpr (std::is_same_v<T, WT>)
+      store(dst + i, load(w + i) * narrow<T>(load(src + i) * inv));
+    else
+      store(dst + i, load(src + i) * inv * load(w + i));
+  }
+  for (int64_t i = vec_end; i < n; ++i) {
+    const float v = static_cast<float>(src[i]) * inv;
+    if constexpr (std::is_same_v<T, WT>)
+      dst[i] = static_cast<T>(static_cast<float>(w[i]) * narrow1<T>(v));
+    else
+      dst[i] = static_cast<T>(v * static_cast<float>(w[i]));
+  }
+}
+
+inline float inv_rms(float sum_squares, int64_t n, float eps) {
+  return 1.f / std::sqrt(sum_squares / static_cast<float>(n) + eps);
+}
+
+}  // namespace
+
 // residual += x, then x = weight * (residual * rsqrt(mean(residual^2) + eps)) in place, each
-// step rounded to T where torch's ops round (HF's RMSNorm: sum of squares in float32).
-template <typename T>
-void add_rms_norm_rows(T* xs, T* rs, const T* w, int64_t rows, int64_t hidden, float eps) {
+// step rounded to T where torch's ops round (HF's RMSNorm: sum of squares in float32; the
+// weight's convention as `scale_norm` says).
+template <typename T, typename WT>
+void add_rms_norm_rows(T* xs, T* rs, const WT* w, int64_t rows, int64_t hidden, float eps) {
   const int64_t vec_end = hidden / W * W;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -70,12 +102,54 @@ void add_rms_norm_rows(T* xs, T* rs, const T* w, int64_t rows, int64_t hidden, f
         rr[i] = static_cast<T>(r);
         ss += r * r;
       }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
-      for (int64_t i = 0; i < vec_end; i += W)
-        store(xr + i, load(w + i) * narrow<T>(load(rr + i) * inv));
-      for (int64_t i = vec_end; i < hidden; ++i)
-        xr[i] = static_cast<T>(static_cast<float>(w[i]) *
-                               narrow1<T>(static_cast<float>(rr[i]) * inv));
+      scale_norm(xr, rr, w, hidden, inv_rms(ss, hidden, eps));
+    }
+  });
+}
+
+// RMSNorm in place over rows of `dim` at x + t * row_stride + h * dim (t < rows, h < heads):
+// q/k norm over a step's heads, Gemma's post-attention / post-feed-forward norms (heads 1).
+template <typename T, typename WT>
+void rms_norm_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim,
+                   const WT* w, float eps) {
+  const int64_t vec_end = dim / W * W;
+  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + (r / heads) * row_stride + (r % heads) * dim;
+      vf acc = vf{};
+      for (int64_t i = 0; i < vec_end; i += W) {
+        const vf v = load(xr + i);
+        acc += v * v;
+      }
+      float ss = hsum(acc);
+      for (int64_t i = vec_end; i < dim; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      scale_norm(xr, xr, w, dim, inv_rms(ss, dim, eps));
+    }
+  });
+}
+
+// gelu_tanh(gate) * up for rows of [gate | up]: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))),
+// tanh(y) = 1 - 2 / (1 + e^2y) with `vexp` (within float32 rounding of torch's), rounded to T
+// before the product as F.gelu(gate, approximate="tanh").mul_(up) rounds.
+template <typename T>
+void gelu_tanh_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
+  constexpr float kA = 0.7978845608028654f, kB = 0.044715f;
+  const int64_t vec_end = inter / W * W;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = xs + t * 2 * inter;
+      const T* up = gate + inter;
+      T* dst = o + t * inter;
+      for (int64_t i = 0; i < vec_end; i += W) {
+        const vf g = load(gate + i);
+        const vf th = 1.f - 2.f / (1.f + vexp(2.f * (kA * (g + kB * g * g * g))));
+        store(dst + i, narrow<T>(0.5f * g * (1.f + th)) * load(up + i));
+      }
+      for (int64_t i = vec_end; i < inter; ++i) {
+        const float g = gate[i];
+        const float th = std::tanh(kA * (g + kB * g * g * g));
+        dst[i] = static_cast<T>(narrow1<T>(0.5f * g * (1.f + th)) * static_cast<float>(up[i]));
+      }
     }
   });
 }
@@ -106,8 +180,18 @@ template void rotate_rows<float>(float*, int64_t, int64_t, int64_t, int64_t, con
                                  const float*);
 template void rotate_rows<bf16>(bf16*, int64_t, int64_t, int64_t, int64_t, const bf16*,
                                 const bf16*);
-template void add_rms_norm_rows<float>(float*, float*, const float*, int64_t, int64_t, float);
-template void add_rms_norm_rows<bf16>(bf16*, bf16*, const bf16*, int64_t, int64_t, float);
+template void add_rms_norm_rows<float, float>(float*, float*, const float*, int64_t, int64_t,
+                                              float);
+template void add_rms_norm_rows<bf16, bf16>(bf16*, bf16*, const bf16*, int64_t, int64_t, float);
+template void add_rms_norm_rows<bf16, float>(bf16*, bf16*, const float*, int64_t, int64_t, float);
+template void rms_norm_rows<float, float>(float*, int64_t, int64_t, int64_t, int64_t,
+                                          const float*, float);
+template void rms_norm_rows<bf16, bf16>(bf16*, int64_t, int64_t, int64_t, int64_t, const bf16*,
+                                        float);
+template void rms_norm_rows<bf16, float>(bf16*, int64_t, int64_t, int64_t, int64_t,
+                                         const float*, float);
+template void gelu_tanh_mul_rows<float>(const float*, float*, int64_t, int64_t);
+template void gelu_tanh_mul_rows<bf16>(const bf16*, bf16*, int64_t, int64_t);
 template void silu_mul_rows<float>(const float*, float*, int64_t, int64_t);
 template void silu_mul_rows<bf16>(const bf16*, bf16*, int64_t, int64_t);
 

@@ -34,10 +34,16 @@ void prefill_dim(int64_t dim, const T* q, int64_t qs0, int64_t qs1, const T* kv,
 template <typename T>
 void rotate_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t half,
                  const T* cos, const T* sin);
-template <typename T>
-void add_rms_norm_rows(T* xs, T* rs, const T* w, int64_t rows, int64_t hidden, float eps);
+// WT: the weight's type, T's (HF's RMSNorm) or float on bf16 rows (Gemma's 1 + w in float32)
+template <typename T, typename WT>
+void add_rms_norm_rows(T* xs, T* rs, const WT* w, int64_t rows, int64_t hidden, float eps);
+template <typename T, typename WT>
+void rms_norm_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t dim,
+                   const WT* w, float eps);
 template <typename T>
 void silu_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter);
+template <typename T>
+void gelu_tanh_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter);
 
 // -- sampling (sampling.cpp) ------------------------------------------------------------------
 template <typename T>

@@ -63,15 +63,18 @@ void quant_dequantize_(torch::Tensor blocks, int64_t type, torch::Tensor out) {
 // the layer-by-layer path's bits. blocks / types: every part's uint8 [n, row bytes] and ggml
 // type, in order (layer, then QKV, O, gate/up, down, then part); parts: how many parts each of
 // the 4 * layers projections has; biases: each projection's (4 per layer, None where absent,
-// x's dtype). The rest as `decode_layers` takes it. Returns (the last layer's MLP output,
+// x's dtype). The rest (cache, RoPE tables, KV groups, layout) as `decode_layers` takes it. Returns (the last layer's MLP output,
 // residual).
 std::vector<torch::Tensor> quant_decode_layers(
     torch::Tensor h, torch::Tensor residual, std::vector<torch::Tensor> norm_in,
     std::vector<torch::Tensor> norm_post, std::vector<torch::Tensor> blocks,
     std::vector<int64_t> types, std::vector<int64_t> parts,
-    std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cache, torch::Tensor cos,
-    torch::Tensor sin, torch::Tensor page_table, torch::Tensor kv_lens, torch::Tensor slots,
-    int64_t num_heads, int64_t num_kv_heads, int64_t inter, double scale, double eps) {
+    std::vector<c10::optional<torch::Tensor>> biases, torch::Tensor cache,
+    std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+    std::vector<torch::Tensor> page_tables, std::vector<torch::Tensor> kv_lens,
+    std::vector<torch::Tensor> slots, std::vector<c10::optional<torch::Tensor>> layout_norms,
+    std::vector<int64_t> layout_ints, bool gelu, int64_t num_heads, int64_t num_kv_heads,
+    int64_t inter, double scale, double eps) {
   const char* op = "quant_decode_layers";
   const auto layers = static_cast<int64_t>(norm_in.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(norm_post.size()) == layers &&
@@ -79,8 +82,10 @@ std::vector<torch::Tensor> quant_decode_layers(
                   static_cast<int64_t>(biases.size()) == 4 * layers &&
                   types.size() == blocks.size(),
               op, ": norms one per layer, parts and biases 4 per layer, a type per part");
-  TORCH_CHECK(cache.dim() == 6 && cache.size(0) == layers && cache.is_contiguous(), op,
-              ": cache must be a contiguous [layers, pages, 2, S, Hkv, D]");
+  const DecodeLayout layout{std::move(layout_norms), std::move(layout_ints), std::move(cos),
+                            std::move(sin), std::move(page_tables), std::move(kv_lens),
+                            std::move(slots), gelu};
+  layout.check(layers, cache, op);
   TORCH_CHECK(h.dim() == 2 && h.sizes() == residual.sizes() && glue_dtype(h), op,
               ": h / residual float32 or bfloat16 [T, H]");
   const int64_t t = h.size(0), hidden = h.size(1), dim = cache.size(5);
@@ -125,7 +130,7 @@ std::vector<torch::Tensor> quant_decode_layers(
     });
     return out;
   };
-  return run_decode_layers(h, residual, norm_in, norm_post, cache, cos, sin, page_table,
-                           kv_lens, slots, num_heads, num_kv_heads, scale, eps,
+  return run_decode_layers(h, residual, norm_in, norm_post, cache, layout, num_heads,
+                           num_kv_heads, scale, eps,
                            [&](const torch::Tensor& x, int64_t i, int64_t j) { return proj(x, 4 * i + j); });
 }

@@ -56,5 +56,4 @@ FAMILY = Family(
     model_types=("gemma3_text",),
     gguf_architectures=("gemma3",),
     own=_own,
-    fused_decode=False,
 )
