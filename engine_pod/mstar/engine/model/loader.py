@@ -308,7 +308,7 @@ def load_model(
             log.info("%s: fused CPU decode off (%s); decode steps run layer by layer",
                      cfg.family, why)  # fmt: skip
     for block in decoder.moe_blocks() if kernels is not None else ():
-        block.use_cpu_kernels(kernels)  # packed once, the plain stacks dropped
+        block.use_cpu_kernels(kernels, method)  # packed once, the plain stacks dropped
     decoder.cpu_kernels = kernels
     decoder.deterministic = deterministic
     return decoder, cfg, tokenizer

@@ -44,5 +44,6 @@ FAMILY = Family(
     model_types=("gpt_oss",),
     own=_own,
     names=_names,
+    gguf_architectures=("gpt-oss",),
     fused_decode=False,  # `decode_layers` runs dense MLPs and no sinks
 )
