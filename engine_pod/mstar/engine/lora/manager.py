@@ -4,6 +4,7 @@ step-protocol resource, and the wrappers installed on the decoder's projections.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -12,7 +13,8 @@ from mstar.engine.lora.layer import LoraLinear, LoraLinearMethod, LoraRows
 from mstar.engine.lora.modules import parse_lora_module
 from mstar.engine.lora.pool import LoraPool
 from mstar.engine.lora.resource import LoraResource
-from mstar.engine.model.decoder import Decoder
+from mstar.engine.model.decoder import Decoder, FusedDecodeWeights
+from mstar.engine.model.layers import PROJECTIONS
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,27 @@ class LoraManager:
             for name, m in self.modules.items()
         }
         decoder.lora_rows = self.rows
+        if self.rows.kernels is not None and isinstance(decoder.fused_decode, FusedDecodeWeights):
+            self.rows.decode = self._fused_decode(decoder)
         self.pool = LoraPool(max_loras, self.read, self.write)
         self.resource = LoraResource(self.pool)
+
+    def _fused_decode(self, decoder: Decoder) -> Any:
+        """A ``LoraDecode`` over every layer's `PROJECTIONS` (the order `decode_layers` runs
+        them), each part's slice tensors held as they are (a slot load writes them in place)."""
+        a, b, ranks, scales, offsets, parts = [], [], [], [], [], []
+        for layer in decoder.layers:
+            for name in PROJECTIONS:
+                module = getattr(layer, name)
+                assert isinstance(module, LoraLinear)
+                parts.append(len(module.slices))
+                for s in module.slices:
+                    a.append(s.a)
+                    b.append(s.b)
+                    ranks.append(s.ranks)
+                    scales.append(s.scales)
+                    offsets.append(s.offset)
+        return self.rows.kernels.LoraDecode(a, b, ranks, scales, offsets, parts)
 
     def read(self, name: str, path: str) -> LoraAdapter:
         return load_adapter(name, path, self.shapes, self.max_rank)

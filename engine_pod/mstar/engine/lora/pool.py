@@ -41,6 +41,8 @@ class PoolCounters:
     evictions: int = 0
     load_failures: int = 0
     refusals: Counter[str] = field(default_factory=Counter)
+    #: requests that named each adapter (only registered names reach the engine)
+    requests: Counter[str] = field(default_factory=Counter)
 
 
 class LoraPool:
@@ -83,6 +85,11 @@ class LoraPool:
     def names(self) -> list[str]:
         with self._lock:
             return list(self.paths)
+
+    def resident_names(self) -> list[str]:
+        """Registered adapters that hold a slot, least recently used first."""
+        with self._lock:
+            return [name for name in self.resident if name in self.paths]
 
     def known(self, name: str) -> bool:
         return name in self.paths

@@ -12,6 +12,7 @@ as stored) where the family's layer shape is the one that kernel implements
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -300,8 +301,8 @@ class Decoder(nn.Module):
         weights = self.fused_decode
         if self.cpu_kernels is None or weights is None or rows > weights.max_rows:
             return None
-        if self.lora_rows is not None and self.lora_rows.active:
-            return None  # decode_layers has no LoRA: a step with adapter rows runs the layers
+        if self.lora_rows is not None and not self.lora_rows.fused:
+            return None  # a step with adapter rows decode_layers cannot add runs the layers
         return attn.kernel_decode() if isinstance(attn, KernelDecodeContext) else None
 
     def _run_fused_layers(
@@ -318,8 +319,9 @@ class Decoder(nn.Module):
         first: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
         h, residual = first.add_forward(hidden, residual, kernels)
         name, args = weights.kernel_call()
-        out, residual = getattr(kernels, name)(
-            h, residual, *args, cache, *cos_sin, step.page_table, step.kv_lens, step.slots,
-            cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, step.scale, first.eps,
-        )  # fmt: skip
+        with nullcontext() if self.lora_rows is None else self.lora_rows.fused_step():
+            out, residual = getattr(kernels, name)(
+                h, residual, *args, cache, *cos_sin, step.page_table, step.kv_lens, step.slots,
+                cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, step.scale, first.eps,
+            )  # fmt: skip
         return out, residual
