@@ -86,11 +86,6 @@ class LoraPool:
         with self._lock:
             return list(self.paths)
 
-    def resident_names(self) -> list[str]:
-        """Registered adapters that hold a slot, least recently used first."""
-        with self._lock:
-            return [name for name in self.resident if name in self.paths]
-
     def known(self, name: str) -> bool:
         return name in self.paths
 

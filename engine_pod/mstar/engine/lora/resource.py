@@ -123,7 +123,8 @@ class LoraResource(Resource):
         extension's model server protocol: ActiveAdapters), and a slot is what vLLM's
         ``max_loras`` counts: an engine that holds an adapter but is idle still gets its
         requests."""
-        running = dict.fromkeys(self.pool.resident_names())
+        served, resident, _ = self.pool.snapshot()
+        running = dict.fromkeys(name for name in resident if name in served)
         waiting: dict[str, None] = {}
         for rid, name in list(self.adapter_of.items()):
             (running if rid in self.pinned else waiting)[name] = None
