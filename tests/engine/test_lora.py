@@ -5,6 +5,7 @@ a row for an adapter that is not resident is refused with its event and counter,
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -100,9 +101,19 @@ def test_eight_adapters_and_base_in_one_batch(
     assert engine.lora is not None
     for name in adapters:  # every adapter resident first: then all 9 rows share steps
         engine.generate([[5]], SamplingParams(max_tokens=1, temperature=0.0, lora_name=name))
+    rows = engine.lora.rows
+    fused_step, fused = rows.fused_step, []
+
+    def counted() -> Any:
+        fused.append(rows.full is not None)
+        return fused_step()
+
+    rows.fused_step = counted  # type: ignore[method-assign]
     got = engine.generate([p for _, p, _ in cases], [_greedy(n) for n, _, _ in cases])
     assert got == [want for _, _, want in cases]
     assert engine.lora.pool.counters.evictions == 0
+    if engine.decoder.cpu_kernels is not None:  # the decode steps kept the fused decode
+        assert rows.decode is not None and fused and all(fused)
 
 
 def test_two_slots_load_and_evict_mid_run(
@@ -118,6 +129,29 @@ def test_two_slots_load_and_evict_mid_run(
     assert counters.refusals["AdapterSlotsBusy"] > 0 and counters.refusals["AdapterLoading"] > 0
     assert not engine.lora.resource.pinned and not engine.lora.resource.adapter_of
     engine.kv.assert_pages_conserved()
+
+
+def test_modules_file_is_served_and_loaded_before_the_engine_serves(
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases, tmp_path: Path
+) -> None:
+    """--lora-modules-file (what the operator mounts): every listed adapter is served and the
+    first --max-loras are resident before the first request; one that cannot be served is a
+    counted failure, the rest still served; an unreadable file fails the start."""
+    listed = [{"name": n, "path": str(p)} for n, p in list(adapters.items())[:3]]
+    listed.append({"name": "gone", "path": str(tmp_path / "nowhere")})
+    path = tmp_path / "adapters.json"
+    path.write_text(json.dumps(listed))
+    engine = _engine(tiny_llama_dir, {}, lora_modules_file=str(path), max_loras=2)
+    assert engine.lora is not None
+    pool = engine.lora.pool
+    assert pool.names() == [e["name"] for e in listed[:3]]
+    assert list(pool.resident) == pool.names()[:2] and not pool.loading
+    assert pool.counters.load_failures == 1 and pool.counters.loads == 2
+    name, prompt, want = next(c for c in cases if c[0] == listed[0]["name"])
+    assert engine.generate([prompt], _greedy(name))[0] == want
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="--lora-modules-file"):
+        _engine(tiny_llama_dir, {}, lora_modules_file=str(path))
 
 
 def test_missing_adapter_refused_then_served(

@@ -171,11 +171,22 @@ class EngineKubelet:
                 busy = any(e.ip == ip and e.alive() for e in self.engines.values())
                 if ip and not busy:
                     self._pods[name] = pod
-                    self.engines[name] = Engine(pod, self.model_dir, self.logs)
+                    maps = self._config_maps(pod)
+                    self.engines[name] = Engine(pod, self.model_dir, self.logs, maps)
             elif name not in self._marked and self._ready(self.engines[name]):
                 self.cp.kubectl("annotate", "pod", name, "-n", self.namespace,
                                 f"{ENGINE_READY}=true", "--overwrite")  # fmt: skip
                 self._marked.add(name)
+
+    def _config_maps(self, pod: dict[str, Any]) -> dict[str, dict[str, str]]:
+        """{name: data} of the ConfigMaps the pod mounts, as the kubelet would read them."""
+        out = {}
+        for volume in pod["spec"].get("volumes") or []:
+            name = (volume.get("configMap") or {}).get("name")
+            found = self.cp.get("configmap", name, self.namespace) if name else None
+            if found is not None:
+                out[name] = dict(found.get("data") or {})
+        return out
 
     @staticmethod
     def _ready(engine: Engine) -> bool:

@@ -47,10 +47,37 @@ def gauge(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
     return values[0]
 
 
+def _mounted(pod: dict[str, Any], config_maps: dict[str, dict[str, str]], root: Path) -> list[str]:
+    """The container's args with each mounted ConfigMap's files written under ``root`` and
+    every arg inside its mount path pointed there."""
+    (container,) = pod["spec"]["containers"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    args = list(container["args"])
+    for mount in container.get("volumeMounts") or []:
+        source = volumes.get(mount["name"], {}).get("configMap")
+        if source is None or source["name"] not in config_maps:
+            continue
+        local = root / mount["name"]
+        local.mkdir(parents=True, exist_ok=True)
+        for key, text in config_maps[source["name"]].items():
+            (local / key).write_text(text)
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        args = [str(local / a[len(prefix) :]) if a.startswith(prefix) else a for a in args]
+    return args
+
+
 class Engine(Process):
     """`mstar-engine serve` with an engine pod's container args, on the pod's address."""
 
-    def __init__(self, pod: dict[str, Any], model_dir: Path, logs: Path) -> None:
+    def __init__(
+        self,
+        pod: dict[str, Any],
+        model_dir: Path,
+        logs: Path,
+        config_maps: dict[str, dict[str, str]] | None = None,
+    ) -> None:
+        """``config_maps``: {name: data} of the ConfigMaps the pod mounts, written under
+        ``logs`` and named by their local path in the args (the kubelet's mount)."""
         (container,) = pod["spec"]["containers"]
         assert container["command"] == ["mstar-engine", "serve"], container["command"]
         self.name = pod["metadata"]["name"]
@@ -59,7 +86,8 @@ class Engine(Process):
         self.url = f"http://{self.ip}:{ENGINE_PORT}"
         # The pod's args, then what differs here: a tiny model on this machine's CPU, the
         # pod's own address. argparse keeps the last of a repeated flag.
-        argv = [sys.executable, "-m", "mstar.engine.cli", "serve", *container["args"]]
+        args = _mounted(pod, config_maps or {}, logs / f"{self.name}-volumes")
+        argv = [sys.executable, "-m", "mstar.engine.cli", "serve", *args]
         argv += [str(model_dir), "--host", self.ip, "--port", str(ENGINE_PORT)]
         argv += ["--dtype", "float32", "--host-offload-gb", "0.01", "--log-level", "warning"]
         # One torch thread each: two engines, the control plane and the picker share 2 cores.

@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.engine.config import parse_cli_args
 from mstar.operator import adapter_sync, router
-from mstar.operator.adapters import ADAPTERS_KEY
 from mstar.operator.children import build_children, child_of
+from mstar.operator.kube import KubeError
 from mstar.operator.manifests import config_map_name
-from mstar.operator.spec import InvalidSpec, MStarSpec, parse_spec
+from mstar.operator.spec import ADAPTERS_KEY, InvalidSpec, MStarSpec, parse_spec
 
 EXAMPLE = ROOT / "examples" / "mstardeployment.yaml"  # the model on the PVC `models`
 NAME = "smollm2"
@@ -70,11 +70,21 @@ def test_adapters_on_paths_the_pod_has_change_nothing_in_the_pod_template() -> N
     assert with_adapters[("Deployment", NAME)] == bare[("Deployment", NAME)]
     listed = json.loads(with_adapters[("ConfigMap", config_map_name(NAME))]["data"][ADAPTERS_KEY])
     # The model's PVC is mounted at /models: an adapter on it is a folder under that mount.
-    assert listed == {"sql": "/opt/adapters/sql", "chat": "/models/adapters/chat"}
-    assert json.loads(bare[("ConfigMap", config_map_name(NAME))]["data"][ADAPTERS_KEY]) == {}
-    (container,) = with_adapters[("Deployment", NAME)]["spec"]["template"]["spec"]["containers"]
+    # vLLM's --lora-modules JSON form, which the engine's --lora-modules-file reads at start
+    assert listed == [
+        {"name": "sql", "path": "/opt/adapters/sql"},
+        {"name": "chat", "path": "/models/adapters/chat"},
+    ]
+    assert json.loads(bare[("ConfigMap", config_map_name(NAME))]["data"][ADAPTERS_KEY]) == []
+    pod = with_adapters[("Deployment", NAME)]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
     config = parse_cli_args(container["args"])
     assert config.enable_lora and config.lora_modules == [] and config.max_loras == 2
+    # the file on the mounted ConfigMap: the flag never changes with the list
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "engine-config")
+    assert config.lora_modules_file == f"{mount}/{ADAPTERS_KEY}"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "engine-config"]
+    assert volume["configMap"]["name"] == config_map_name(NAME)
 
 
 def test_the_first_adapter_turns_lora_on_once() -> None:
@@ -83,6 +93,7 @@ def test_the_first_adapter_turns_lora_on_once() -> None:
     off = parse_cli_args(args_of(children(cr([]))))
     on = parse_cli_args(args_of(children(cr([SQL]))))
     assert not off.enable_lora and on.enable_lora
+    assert off.lora_modules_file is None and on.lora_modules_file is not None
     assert args_of(children(cr([SQL]))) == args_of(children(cr([SQL, CHAT])))
 
 
@@ -117,7 +128,7 @@ def test_an_adapter_on_another_pvc_mounts_it_and_a_hub_adapter_is_downloaded() -
     assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
     assert {"name": "adapters-hf", "mountPath": "/adapters/hf"} in fetch["volumeMounts"]
     listed = json.loads(objs[("ConfigMap", config_map_name(NAME))]["data"][ADAPTERS_KEY])
-    assert listed == {
+    assert {e["name"]: e["path"] for e in listed} == {
         "sql": "/opt/adapters/sql",
         "math": "/adapters/pvc/lora-store/math",
         "hub": "/adapters/hf/hub",
@@ -225,6 +236,8 @@ class FakeEngine(ThreadingHTTPServer):
     def __init__(self, held: dict[str, str], refuse: set[str] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.held, self.refuse = dict(held), refuse or set()
+        #: the API key every call must bear (the engine's --api-key), or None
+        self.key: str | None = None
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.queries = 0
 
@@ -247,7 +260,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self) -> bool:
+        key = self.server.key
+        if key is None or self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self._answer(401, {"error": {"message": "Missing API key (Authorization)."}})
+        return True
+
     def do_GET(self) -> None:
+        if self._refused():
+            return
         self.server.queries += 1
         base = {"id": "base", "object": "model", "root": "/models", "parent": None}
         adapters = [
@@ -258,6 +280,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self._refused():
+            return
         self.server.calls.append((self.path, body))
         name = body["lora_name"]
         if self.path == "/v1/load_lora_adapter":
@@ -311,12 +335,19 @@ def test_an_engine_that_does_not_answer_is_reported_not_raised() -> None:
 
 
 class FakeKube:
-    """list_pods / patch_cr_status of `kube.Kube`, over one CR and its pods."""
+    """list_pods / patch_cr_status / read_secret of `kube.Kube`, over one CR, its pods and
+    its Secrets ({(name, key): value})."""
 
     def __init__(self, cr: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         self.cr, self.pods = cr, pods
         self.patches: list[dict[str, Any]] = []
         self.selectors: list[str] = []
+        self.secrets: dict[tuple[str, str], str] = {}
+
+    def read_secret(self, namespace: str, name: str, key: str) -> str:
+        if (name, key) not in self.secrets:
+            raise KubeError(404, "NotFound", f'secrets "{name}" not found')
+        return self.secrets[(name, key)]
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         self.selectors.append(selector)
@@ -374,6 +405,43 @@ def test_status_names_the_pods_holding_each_adapter_and_warns_once_per_failure(
     queries = engine.queries
     assert adapter_sync.sync_adapters(kube, kube.cr) == []  # type: ignore[arg-type]
     assert engine.queries == queries  # nothing to hold, nothing held: not even a query
+
+
+def test_the_sync_sends_the_api_key_the_pods_read(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spec.apiKeySecret: the engine container reads the key from that Secret, and the
+    adapter sync reads the same Secret and sends it as a bearer token (a missing Secret is
+    each adapter's status message, retried on the next pass)."""
+    doc = cr([SQL])
+    doc["metadata"]["namespace"] = "ns"
+    doc["spec"]["apiKeySecret"] = {"name": "engine-key"}
+    objs = children(doc)
+    (container,) = objs[("Deployment", NAME)]["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == "MSTAR_API_KEY"]
+    assert env["valueFrom"] == {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
+    assert "MSTAR_API_KEY" not in {e["name"] for e in container_env(children(cr([SQL])))}
+    engine.key = "sekret"
+    assert (
+        adapter_sync.sync_pod("p1", engine.url, {"sql": "/a"})
+        .failed["sql"]
+        .startswith("p1: /v1/models: 401: Missing API key")
+    )
+    port = engine.server_address[1]
+    monkeypatch.setattr(adapter_sync, "engine_url", lambda ip: f"http://{ip}:{port}")
+    kube = FakeKube(doc, [pod("p1", "127.0.0.1")])
+    adapter_sync.sync_adapters(kube, kube.cr)  # type: ignore[arg-type]
+    (sql,) = kube.patches[-1]["adapters"]
+    assert sql["loaded"] == 0 and "spec.apiKeySecret engine-key/api-key" in sql["message"]
+    kube.secrets[("engine-key", "api-key")] = "sekret"
+    adapter_sync.sync_adapters(kube, kube.cr)  # type: ignore[arg-type]
+    assert kube.patches[-1]["adapters"] == [{"name": "sql", "loaded": 1, "pods": ["p1"]}]
+    assert engine.held["sql"] == "/opt/adapters/sql"
+
+
+def container_env(objs: dict[tuple[str, str], Any]) -> list[dict[str, Any]]:
+    (container,) = objs[("Deployment", NAME)]["spec"]["template"]["spec"]["containers"]
+    return list(container["env"])
 
 
 # The same sync against the real engine server (in process) and real PEFT adapters.

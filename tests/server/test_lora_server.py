@@ -10,10 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from jaeger import Jaeger, log_fields
 from live_server import LiveServer, make_engine
 from lora_adapters import build_adapter
+from openapi_spec_validator import validate
 
 from mstar.engine.sampling_params import SamplingParams
 from mstar.engine.server.state import STATE
@@ -67,6 +69,7 @@ def test_lora_serving(tiny_chat_dir: Path, adapters: dict[str, Path], jaeger: Ja
                 "ignore_eos": True}  # fmt: skip
         status, out, _ = raw(live, "/v1/completions", body)
         assert status == 200 and out["choices"][0]["text"].strip() == want.strip()
+        assert out["model"] == "a1"  # the adapter the request named, as vLLM answers
         assert (
             live.metric("mstar:admit_failures_total", reason="AdapterLoading", resource="adapter")
             >= 1
@@ -75,8 +78,12 @@ def test_lora_serving(tiny_chat_dir: Path, adapters: dict[str, Path], jaeger: Ja
         info = [
             dict(labels) for (name, labels) in live.metrics() if name == "vllm:lora_requests_info"
         ]
-        assert info == [{"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}]
+        # idle but resident: "running" for the picker (loaded and ready to serve)
+        assert info == [
+            {"max_lora": "2", "running_lora_adapters": "a1", "waiting_lora_adapters": ""}
+        ]
         assert any(n == "mstar:lora_requests_info" for n, _ in live.metrics())
+        assert live.metric("mstar:lora_requests_total", adapter="a1") == 1
         assert live.app[STATE].telemetry.force_flush()
         (trace,) = jaeger.wait_for("lora", lambda t: len(t) == 1)
         (root,) = [s for s in trace["spans"] if s["operationName"] == REQUEST_SPAN_NAME]
@@ -100,13 +107,46 @@ def test_lora_serving(tiny_chat_dir: Path, adapters: dict[str, Path], jaeger: Ja
         body["model"] = "a2"
         status, out, _ = raw(live, "/v1/completions", body)
         assert status == 200 and out["choices"][0]["text"].strip() != want.strip()
+        assert live.metric("mstar:lora_requests_total", adapter="a2") == 1
+        running = _running(live)
+        assert set(running) == {"a1", "a2"}
 
         unload = {"lora_name": "a2"}
         assert raw(live, "/v1/unload_lora_adapter", unload)[0] == 200
+        assert _running(live) == ["a1"]
         assert _error(raw(live, "/v1/unload_lora_adapter", unload)) == (404, "lora_name")
         assert _error(raw(live, "/v1/completions", body)) == (404, "model")
         body["model"] = "nope"
         assert _error(raw(live, "/v1/completions", body)) == (404, "model")
+
+
+def _running(live: LiveServer) -> list[str]:
+    (labels,) = [dict(ls) for (n, ls) in live.metrics() if n == "vllm:lora_requests_info"]
+    return [a for a in labels["running_lora_adapters"].split(",") if a]
+
+
+def test_responses_name_the_adapter(tiny_chat_dir: Path, adapters: dict[str, Path]) -> None:
+    """The response's `model` (chat, completions, every streamed chunk) is the adapter the
+    request named, the base model's name otherwise; the OpenAPI document lists the admin
+    routes when LoRA is on."""
+    engine = _lora_engine(tiny_chat_dir, adapters["a1"])
+    with LiveServer(engine) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none")
+        chat = [{"role": "user", "content": "hi"}]
+        assert client.chat.completions.create(model="a1", messages=chat, max_tokens=2).model == "a1"
+        streamed = client.chat.completions.create(
+            model="a1", messages=chat, max_tokens=2, stream=True
+        )
+        assert {c.model for c in streamed} == {"a1"}
+        text = client.completions.create(model="a1", prompt=PROMPT, max_tokens=2, stream=True)
+        assert {c.model for c in text} == {"a1"}
+        assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).model == "tiny"
+        assert live.metric("mstar:lora_requests_total", adapter="a1") == 3
+        status, doc = live.get("/openapi.json")
+        assert status == 200
+        validate(json.loads(doc))
+        paths = json.loads(doc)["paths"]
+        assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(paths)
 
 
 def test_admin_routes_behind_the_api_key(tiny_chat_dir: Path, adapters: dict[str, Path]) -> None:

@@ -14,12 +14,11 @@ from mstar.engine.sampling_params import (
     SamplingParams,
     context_overflow,
 )
+from mstar.engine.server.body import MAX_JSON_DEPTH, decode_json_body
+from mstar.engine.server.errors import APIError
 from mstar.engine.server.openapi import openapi_document
 from mstar.engine.server.protocol import (
-    MAX_JSON_DEPTH,
     MAX_N,
-    APIError,
-    decode_json_body,
     parse_chat_request,
     parse_completion_request,
     resolve_max_tokens,

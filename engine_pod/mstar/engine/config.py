@@ -243,6 +243,14 @@ class EngineConfig:
             '"base_model_name": ...}; a request whose model is NAME uses that adapter.'
         ),
     )
+    lora_modules_file: str | None = field(
+        default=None,
+        metadata=_flag(
+            'A JSON file listing LoRA adapters in --lora-modules\' JSON form ([{"name": ..., '
+            '"path": ...}, ...]; the operator mounts it from the engine ConfigMap): each is '
+            "served, and the first --max-loras loaded, before the engine reports Ready."
+        ),
+    )
     max_loras: int = field(
         default=1,
         metadata=_flag(
@@ -319,7 +327,7 @@ class EngineConfig:
     @property
     def lora_enabled(self) -> bool:
         """Adapters are served: asked for by name, or implied by starting with some."""
-        return self.enable_lora or bool(self.lora_modules)
+        return self.enable_lora or bool(self.lora_modules) or self.lora_modules_file is not None
 
     def _lora_problems(self) -> list[str]:
         problems = [f"--{n} must be >= 1" for n in ("max-loras", "max-lora-rank")

@@ -134,6 +134,8 @@ class LLMEngine:
         if config.lora_enabled:  # never with ranks: `EngineConfig` refuses LoRA under TP
             self.lora = LoraManager(decoder, config.max_loras, config.max_lora_rank)
             self.lora.register_modules(config.lora_modules)
+            if config.lora_modules_file is not None:
+                self.lora.serve_file(config.lora_modules_file)
             resources[LORA] = self.lora.resource
         self.runner = StepRunner(resources)
         self.model_runner = ModelRunner(

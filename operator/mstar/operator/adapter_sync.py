@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .adapters import desired_adapters
-from .kube import Kube
+from .kube import Kube, KubeError
 from .manifests import selector_string
 from .reconcile import Event
 from .spec import ENGINE_PORT, InvalidSpec, MStarSpec, parse_spec
@@ -36,10 +36,13 @@ class EngineCallFailed(Exception):
     """An engine admin call that did not answer 200: the message names the engine's reason."""
 
 
-def _call(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
+def _call(url: str, body: dict[str, Any] | None, timeout: float, key: str | None) -> Any:
+    """GET (no body) or POST one engine route; ``key``: the engines' API key (bearer)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
     request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             text = resp.read().decode() or "null"
@@ -61,9 +64,9 @@ def engine_url(ip: str) -> str:
     return f"http://{host}:{ENGINE_PORT}"
 
 
-def held_adapters(url: str) -> dict[str, str | None]:
+def held_adapters(url: str, key: str | None = None) -> dict[str, str | None]:
     """{adapter: its folder} an engine serves now: /v1/models' entries with a parent."""
-    listing = _call(f"{url}/v1/models", None, QUERY_TIMEOUT_SECONDS)
+    listing = _call(f"{url}/v1/models", None, QUERY_TIMEOUT_SECONDS, key)
     return {m["id"]: m.get("root") for m in listing.get("data", []) if m.get("parent")}
 
 
@@ -77,11 +80,12 @@ class PodResult:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def sync_pod(pod: str, url: str, desired: dict[str, str]) -> PodResult:
-    """Bring one engine to `desired` ({name: folder}); never raises for the engine's answers."""
+def sync_pod(pod: str, url: str, desired: dict[str, str], key: str | None = None) -> PodResult:
+    """Bring one engine to `desired` ({name: folder}); never raises for the engine's answers.
+    ``key``: the API key the engine requires (spec.apiKeySecret), sent as a bearer token."""
     out = PodResult(pod)
     try:
-        held = held_adapters(url)
+        held = held_adapters(url, key)
     except EngineCallFailed as exc:
         out.failed = dict.fromkeys(desired, f"{pod}: /v1/models: {exc}")
         return out
@@ -90,7 +94,7 @@ def sync_pod(pod: str, url: str, desired: dict[str, str]) -> PodResult:
             out.held.add(name)
             continue
         try:
-            _call(f"{url}/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT_SECONDS)
+            _call(f"{url}/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT_SECONDS, key)
             out.done.append(("Normal", "AdapterUnloaded", f"{name} from {pod}"))
         except EngineCallFailed as exc:
             out.failed[name] = f"{pod}: unload: {exc}"
@@ -100,7 +104,7 @@ def sync_pod(pod: str, url: str, desired: dict[str, str]) -> PodResult:
             continue
         body = {"lora_name": name, "lora_path": folder}
         try:
-            _call(f"{url}/v1/load_lora_adapter", body, LOAD_TIMEOUT_SECONDS)
+            _call(f"{url}/v1/load_lora_adapter", body, LOAD_TIMEOUT_SECONDS, key)
             out.held.add(name)
             out.done.append(("Normal", "AdapterLoaded", f"{name} ({folder}) on {pod}"))
         except EngineCallFailed as exc:
@@ -152,10 +156,18 @@ def sync_adapters(kube: Kube, cr: dict[str, Any]) -> list[Event]:
     desired = desired_adapters(spec)
     if not desired and not old:
         return []
-    results = [
-        sync_pod(pod, engine_url(ip), desired)
-        for pod, ip in ready_engine_pods(kube, namespace, name, spec)
-    ]
+    secret = spec.api_key_secret
+    try:
+        key = None if secret is None else kube.read_secret(namespace, secret["name"], secret["key"])
+    except KubeError as exc:  # on every adapter's status, retried next pass
+        assert secret is not None
+        message = f"spec.apiKeySecret {secret['name']}/{secret['key']}: {exc}"
+        results = [PodResult("operator", failed=dict.fromkeys(desired, message))]
+    else:
+        results = [
+            sync_pod(pod, engine_url(ip), desired, key)
+            for pod, ip in ready_engine_pods(kube, namespace, name, spec)
+        ]
     status = adapter_status(desired, results)
     events = [event for r in results for event in r.done]
     old_messages = {a.get("name"): a.get("message") for a in old or []}

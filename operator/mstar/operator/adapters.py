@@ -3,9 +3,11 @@ and what the pod needs to hold them.
 
 The adapter list is deliberately NOT in the engine pod template (no `--lora-modules` flag, nothing
 in the config hash): a change of `spec.adapters` alone must not roll the Deployment. The operator
-writes the list into the engine ConfigMap (`adapters.json`, left out of the hash) and its adapter
-sync (`adapter_sync.py`) loads and unloads adapters on every ready engine pod through the engine's
-`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, so new and restarted pods converge too.
+writes the list into the engine ConfigMap (`adapters.json`, in vLLM's `--lora-modules` JSON form,
+left out of the hash); the template carries only `--lora-modules-file /etc/mstar/adapters.json`,
+so a new pod serves (and loads) the list it finds at start before it reports Ready. The adapter
+sync (`adapter_sync.py`) then loads and unloads adapters on every ready engine pod through the
+engine's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, so running pods converge too.
 
 What the pod template does carry is what a path needs to exist: a PVC other than the model's gets
 a read-only volume at `/adapters/pvc/<claim>`, and a Hugging Face adapter is downloaded by an init
@@ -22,8 +24,6 @@ from .spec import MODEL_MOUNT, MStarSpec
 
 ADAPTER_MOUNT = "/adapters"
 HF_ADAPTER_VOLUME = "adapters-hf"
-#: The ConfigMap key holding {name: path}; not hashed into the pod template.
-ADAPTERS_KEY = "adapters.json"
 
 
 def _pvc_mount(claim: str) -> str:
@@ -54,6 +54,11 @@ def adapter_path(spec: MStarSpec, adapter: dict[str, Any]) -> str:
 def desired_adapters(spec: MStarSpec) -> dict[str, str]:
     """{adapter name: path in the pod}, in spec order: what every ready engine should hold."""
     return {a["name"]: adapter_path(spec, a) for a in spec.adapters}
+
+
+def adapter_modules(spec: MStarSpec) -> list[dict[str, str]]:
+    """The ConfigMap's adapter list, as the engine's ``--lora-modules-file`` reads it."""
+    return [{"name": name, "path": path} for name, path in desired_adapters(spec).items()]
 
 
 def adapter_volumes(spec: MStarSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -6,6 +6,7 @@ module hides the typed models: every read is turned back into the JSON the API s
 
 from __future__ import annotations
 
+import base64
 import datetime
 import functools
 import os
@@ -198,6 +199,18 @@ class Kube:
         except ApiException as exc:
             raise self._fail(exc) from exc
         return [self._dict(pod) for pod in listing.items]
+
+    def read_secret(self, namespace: str, name: str, key: str) -> str:
+        """One key of a Secret, decoded (the engines' API key for the adapter sync); a
+        `KubeError` names what is missing."""
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as exc:
+            raise self._fail(exc) from exc
+        value = (secret.data or {}).get(key)
+        if value is None:
+            raise KubeError(404, "NotFound", f"Secret {namespace}/{name} has no key {key!r}")
+        return base64.b64decode(value).decode()
 
     def get_cr(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

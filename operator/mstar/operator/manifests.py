@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 from mstar.engine.config import to_cli_args
 
-from .adapters import ADAPTERS_KEY, desired_adapters
-from .spec import API_VERSION, KIND, MStarSpec, engine_config
+from .adapters import adapter_modules
+from .spec import ADAPTERS_KEY, API_VERSION, KIND, MStarSpec, engine_config
 
 MANAGED_BY = "mstar-operator"
 INSTANCE_LABEL = "mstar.dev/deployment"
@@ -102,7 +102,7 @@ def build_config_map(name: str, namespace: str, uid: str, spec: MStarSpec) -> di
         "data": {
             "engine-config.json": json.dumps(asdict(config), indent=2, sort_keys=True),
             "engine-args.json": json.dumps(engine_args(spec)),
-            ADAPTERS_KEY: json.dumps(desired_adapters(spec), indent=2),
+            ADAPTERS_KEY: json.dumps(adapter_modules(spec), indent=2),
         },
     }
 

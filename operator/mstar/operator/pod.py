@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mstar.engine.cli import API_KEY_ENV
+
 from .adapters import ADAPTER_MOUNT, HF_ADAPTER_VOLUME, adapter_volumes, hf_adapters
 from .manifests import (
     CONFIG_HASH_ANNOTATION,
@@ -25,7 +27,7 @@ from .manifests import (
     labels,
     selector_labels,
 )
-from .spec import ENGINE_PORT, MODEL_MOUNT, MStarSpec
+from .spec import CONFIG_MOUNT, ENGINE_PORT, MODEL_MOUNT, MStarSpec
 
 RUN_AS_USER = 1000
 #: After the preStop wait and the drain grace: aiohttp's cut-off, engine stop, process exit.
@@ -117,7 +119,7 @@ def engine_pod_template(
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": "/cache"},
         {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "engine-config", "mountPath": "/etc/mstar", "readOnly": True},
+        {"name": "engine-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
@@ -177,6 +179,7 @@ def engine_pod_template(
             *_otel_env(name, namespace, spec),
             *CACHE_ENV,
             {"name": "HF_HUB_OFFLINE", "value": "1"},
+            *_api_key_env(spec),
         ],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": _probe("/health", 10, 90),
@@ -226,6 +229,16 @@ def engine_pod_template(
             "priorityClassName": scheduling.get("priorityClassName") or None,
         },
     }
+
+
+def _api_key_env(spec: MStarSpec) -> list[dict[str, Any]]:
+    """The engine's API key from spec.apiKeySecret (`mstar-engine serve` reads it from the
+    environment, so it is in no arg and no ConfigMap)."""
+    secret = spec.api_key_secret
+    if secret is None:
+        return []
+    ref = {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}}
+    return [{"name": API_KEY_ENV, "valueFrom": ref}]
 
 
 def _fetch_container(

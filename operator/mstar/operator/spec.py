@@ -24,6 +24,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 ENGINE_PORT = 8000  # inside the pod; the Service maps spec.service.port onto it
 MODEL_MOUNT = "/models"
+#: Where the engine ConfigMap is mounted in an engine pod.
+CONFIG_MOUNT = "/etc/mstar"
+#: The ConfigMap key holding the adapter list (`adapters.py`); not hashed into the pod template.
+ADAPTERS_KEY = "adapters.json"
 #: Where the ranks of a multi-node replica meet: torch.distributed's store on the leader pod.
 DIST_PORT = 29500
 #: What the LeaderWorkerSet controller's pod webhook puts in every container's environment
@@ -92,6 +96,8 @@ SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
     "huggingFace": {"revision": "main", "cacheSize": "20Gi"},
 }
 TOKEN_SECRET_DEFAULTS: dict[str, Any] = {"key": "token"}
+#: spec.apiKeySecret: the Secret key holding the engines' API key (`MSTAR_API_KEY`)
+API_KEY_SECRET_DEFAULTS: dict[str, Any] = {"key": "api-key"}
 #: An adapter's sources: a path in the pod, a PVC, or a Hugging Face repository (adapters.py).
 ADAPTER_SOURCE_DEFAULTS: dict[str, dict[str, Any]] = {
     "pvc": {"subPath": ""},
@@ -202,6 +208,13 @@ class MStarSpec:
         return bool(self.adapters) or "maxLoras" in self.raw["engine"]
 
     @property
+    def api_key_secret(self) -> dict[str, str] | None:
+        """spec.apiKeySecret ({name, key}): the engines require its value as a bearer token on
+        /v1/*, and the operator's adapter sync sends it; None: no key."""
+        value = self.raw.get("apiKeySecret")
+        return dict(value) if value else None
+
+    @property
     def router(self) -> dict[str, Any] | None:
         value = self.raw.get("router")
         return dict(value) if value else None
@@ -229,6 +242,8 @@ def parse_spec(spec: Mapping[str, Any] | None) -> MStarSpec:
     if model:
         raw["model"] = {**model, "source": source} if source else dict(model)
     raw["adapters"], adapter_problems = _parse_adapters(raw.get("adapters"), raw)
+    if isinstance(raw.get("apiKeySecret"), Mapping):
+        raw["apiKeySecret"] = _merge_defaults(raw["apiKeySecret"], API_KEY_SECRET_DEFAULTS)
     problems += adapter_problems
     if raw.get("autoscaling"):
         raw["autoscaling"] = _merge_defaults(raw["autoscaling"], AUTOSCALING_DEFAULTS)
@@ -385,7 +400,9 @@ def engine_config(spec: MStarSpec) -> EngineConfig:
         nnodes=nodes,
         # The same for every pod of a group; the pod's own rank is added per pod (lws.py).
         dist_init_addr=f"$({LWS_LEADER_ADDRESS}):{DIST_PORT}" if nodes > 1 else None,
-        # The adapters themselves are no flag (adapters.py): the operator loads them at run time.
+        # The adapter list is no flag (adapters.py): a new pod reads it from the mounted
+        # ConfigMap at start, and the adapter sync hot-loads changes into running pods.
         enable_lora=spec.serves_lora,
+        lora_modules_file=f"{CONFIG_MOUNT}/{ADAPTERS_KEY}" if spec.serves_lora else None,
         **values,
     )

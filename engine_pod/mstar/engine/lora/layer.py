@@ -10,7 +10,8 @@ adapter (`mstar.kernels.lora.lora_add_`); a step with no adapter rows runs the b
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,10 @@ class LoraRows:
         self.device = device
         #: the C++ kernels (`cpu_kernels.load()`), or None: gathered torch matmuls
         self.kernels: Any | None = None
+        #: every layer's slices as `cpu_kernels.decode_layers` adds them (a ``LoraDecode``;
+        #: `LoraManager` builds it where the decoder has the packed fused decode), or None:
+        #: a step with adapter rows goes layer by layer
+        self.decode: Any | None = None
         self.full: LoraSegments | None = None
         self.kept: LoraSegments | None = None
 
@@ -77,6 +82,25 @@ class LoraRows:
         seg = self.full.slot.tolist()
         kept_slots = [seg[bisect_right(ends, row)] for row in kept]
         self.kept = LoraSegments.of([1] * len(kept), kept_slots, self.device, gathered)
+
+    @property
+    def fused(self) -> bool:
+        """This step may run `cpu_kernels.decode_layers` (no adapter rows, or the kernel adds
+        them: `fused_step`)."""
+        return self.full is None or self.decode is not None
+
+    @contextmanager
+    def fused_step(self) -> Iterator[None]:
+        """Around one `decode_layers` call: it adds this step's adapter rows' updates after
+        each projection (the same `lora_add_` calls, in the same order, as the layer path)."""
+        if self.full is None or self.decode is None:
+            yield
+            return
+        self.decode.begin(self.full.indptr, self.full.slot)
+        try:
+            yield
+        finally:
+            self.decode.end()
 
     def for_rows(self, n: int) -> LoraSegments | None:
         full = self.full

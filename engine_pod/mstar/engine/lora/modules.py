@@ -1,9 +1,11 @@
-"""``--lora-modules`` entries: ``NAME=PATH`` or vLLM's JSON form (no torch imported here)."""
+"""``--lora-modules`` entries (``NAME=PATH`` or vLLM's JSON form) and ``--lora-modules-file``
+(a JSON list of that form; no torch imported here)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,23 @@ def parse_lora_module(entry: str) -> LoraModule:
     if not name or not path:
         raise ValueError(f"{entry!r}: the name and the path must not be empty")
     return LoraModule(name, path, base)
+
+
+def read_lora_modules_file(path: str) -> list[LoraModule]:
+    """``--lora-modules-file``: a JSON list of vLLM's ``--lora-modules`` objects (what the
+    operator writes to the engine ConfigMap); ValueError naming the file and the entry."""
+    try:
+        body = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--lora-modules-file {path}: {exc}") from exc
+    if not isinstance(body, list):
+        raise ValueError(f"--lora-modules-file {path}: not a JSON list")
+    modules = []
+    for i, entry in enumerate(body):
+        if not isinstance(entry, dict):
+            raise ValueError(f"--lora-modules-file {path}: entry {i} is not an object")
+        try:
+            modules.append(parse_lora_module(json.dumps(entry)))
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules-file {path}: entry {i}: {exc}") from exc
+    return modules

@@ -41,6 +41,8 @@ class PoolCounters:
     evictions: int = 0
     load_failures: int = 0
     refusals: Counter[str] = field(default_factory=Counter)
+    #: requests that named each adapter (only registered names reach the engine)
+    requests: Counter[str] = field(default_factory=Counter)
 
 
 class LoraPool:

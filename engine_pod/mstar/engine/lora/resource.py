@@ -72,6 +72,7 @@ class LoraResource(Resource):
     def ingest_request(self, request_id: str, overrides: object | None = None) -> None:
         if isinstance(overrides, str):
             self.adapter_of[request_id] = overrides
+            self.pool.counters.requests[overrides] += 1
 
     def remove_request(self, request_id: str) -> None:
         name = self.adapter_of.pop(request_id, None)
@@ -115,9 +116,15 @@ class LoraResource(Resource):
         return LoraPlan(tuple(lengths), tuple(slots))
 
     def running_and_waiting(self) -> tuple[list[str], list[str]]:
-        """Adapters of admitted requests, and of requests not admitted yet (vLLM's
-        ``running_lora_adapters`` / ``waiting_lora_adapters``)."""
-        running: dict[str, None] = {}
+        """vLLM's ``running_lora_adapters`` / ``waiting_lora_adapters``: the adapters that hold
+        a slot (resident, idle ones too, and any an admitted request still runs), and those of
+        requests not admitted yet. Idle resident adapters count as running because the endpoint
+        picker's LoRA affinity reads this label as "loaded and ready to serve" (the inference
+        extension's model server protocol: ActiveAdapters), and a slot is what vLLM's
+        ``max_loras`` counts: an engine that holds an adapter but is idle still gets its
+        requests."""
+        served, resident, _ = self.pool.snapshot()
+        running = dict.fromkeys(name for name in resident if name in served)
         waiting: dict[str, None] = {}
         for rid, name in list(self.adapter_of.items()):
             (running if rid in self.pinned else waiting)[name] = None

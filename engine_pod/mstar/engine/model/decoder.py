@@ -12,6 +12,7 @@ as stored) where the family's layer shape is the one that kernel implements
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -305,8 +306,8 @@ class Decoder(nn.Module):
         weights = self.fused_decode
         if self.cpu_kernels is None or weights is None or rows > weights.max_rows:
             return None
-        if self.lora_rows is not None and self.lora_rows.active:
-            return None  # decode_layers has no LoRA: a step with adapter rows runs the layers
+        if self.lora_rows is not None and not self.lora_rows.fused:
+            return None  # a step with adapter rows decode_layers cannot add runs the layers
         return attn.kernel_decode() if isinstance(attn, KernelDecodeContext) else None
 
     def _run_fused_layers(
@@ -324,13 +325,14 @@ class Decoder(nn.Module):
         name, args = weights.kernel_call()
         tables = list(cos_sins.values())
         groups = step.steps
-        out, residual = getattr(kernels, name)(
-            h, residual, *args, step.cache, [c for c, _ in tables], [s for _, s in tables],
-            [g.page_table for g in groups], [g.kv_lens for g in groups],
-            [g.slots for g in groups], self._layout_norms, self._layout_ints_for(step),
-            self.layers[0].gelu, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
-            groups[0].scale, first.eps,
-        )  # fmt: skip
+        with nullcontext() if self.lora_rows is None else self.lora_rows.fused_step():
+            out, residual = getattr(kernels, name)(
+                h, residual, *args, step.cache, [c for c, _ in tables], [s for _, s in tables],
+                [g.page_table for g in groups], [g.kv_lens for g in groups],
+                [g.slots for g in groups], self._layout_norms, self._layout_ints_for(step),
+                self.layers[0].gelu, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size,
+                groups[0].scale, first.eps,
+            )  # fmt: skip
         return out, residual
 
     def _layout_ints_for(self, step: KernelDecodeLayers) -> list[int]:

@@ -26,12 +26,12 @@ from mstar.engine.server.async_engine import (
     EngineLike,
     EngineThread,
 )
+from mstar.engine.server.errors import APIError
 from mstar.engine.server.lifecycle import generate
 from mstar.engine.server.liveness import Liveness
-from mstar.engine.server.lora_routes import adapter_cards, register_lora
+from mstar.engine.server.lora_routes import adapter_cards, lora_of, register_lora
 from mstar.engine.server.metrics import CacheConfig, ServerMetrics
 from mstar.engine.server.openapi import openapi_document
-from mstar.engine.server.protocol import APIError
 from mstar.engine.server.state import STATE, ServerState
 from mstar.engine.server.telemetry import Telemetry
 from mstar.engine.server.tokenize import detokenize, tokenize, tokenizer_info
@@ -185,7 +185,8 @@ async def models(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    doc = openapi_document(state.model_name, state.max_model_len, guarded=state.api_key is not None)
+    guarded, lora = state.api_key is not None, lora_of(state) is not None
+    doc = openapi_document(state.model_name, state.max_model_len, guarded=guarded, lora=lora)
     return web.json_response(doc)
 
 

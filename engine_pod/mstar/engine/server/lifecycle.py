@@ -32,12 +32,11 @@ from mstar.engine.sampling_params import GrammarSpec
 from mstar.engine.server.async_engine import NewRequest
 from mstar.engine.server.body import read_json_body
 from mstar.engine.server.choice import ChoiceState, Delta
+from mstar.engine.server.errors import APIError, bad_request
 from mstar.engine.server.limits import RETRY_AFTER_SECONDS, Deadline
 from mstar.engine.server.lora_routes import resolve_model
 from mstar.engine.server.protocol import (
-    APIError,
     GenerationRequest,
-    bad_request,
     parse_chat_request,
     parse_completion_request,
 )
@@ -108,7 +107,7 @@ class Generation:
         self.trace.span.set_attributes(
             {
                 "gen_ai.request.model": req.model or self.state.model_name,
-                "gen_ai.response.model": self.state.model_name,
+                "gen_ai.response.model": self.response_model(),
                 "gen_ai.request.temperature": p.temperature,
                 "gen_ai.request.top_p": p.top_p,
                 "gen_ai.request.top_k": p.top_k,
@@ -355,6 +354,11 @@ class Generation:
         end = time.monotonic()
         attrs["gen_ai.latency.e2e"] = end - self.arrival
         self.state.telemetry.end_request(self.trace, attrs, end, error=self.error)
+
+    def response_model(self) -> str:
+        """The ``model`` a response names: the adapter the request asked for (as vLLM does),
+        else the base model."""
+        return self.lora_name or self.state.model_name
 
     def prompt_tokens(self) -> int:
         seen: dict[int, int] = {}

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from mstar.engine.server.protocol import APIError, bad_request
+from mstar.engine.server.errors import APIError, bad_request
 
 #: What a 429 (at capacity) or a 503 (draining) tells the client to wait before retrying.
 RETRY_AFTER_SECONDS = 1

@@ -9,7 +9,9 @@
 - ``vllm:lora_requests_info`` and ``mstar:lora_requests_info``: vLLM's gauge, labels
   ``running_lora_adapters`` / ``waiting_lora_adapters`` (comma-joined) and ``max_lora``, value
   the time of the scrape (the picker reads the newest series); counters of adapter loads,
-  evictions, failed loads, and refusals by reason.
+  evictions, failed loads, refusals by reason, and requests per adapter
+  (``mstar:lora_requests_total{adapter}``: only served adapters' names, so the label set is
+  bounded by what was loaded).
 
 Both routes sit under ``/v1/``, so the API key guards them like every other.
 """
@@ -29,7 +31,7 @@ from mstar.engine.lora.adapter import AdapterError
 from mstar.engine.lora.manager import LoraManager
 from mstar.engine.lora.pool import UnknownAdapter
 from mstar.engine.server.body import read_json_body
-from mstar.engine.server.protocol import APIError, bad_request, model_not_found
+from mstar.engine.server.errors import APIError, bad_request, model_not_found
 from mstar.engine.server.state import STATE, ServerState
 
 
@@ -156,6 +158,13 @@ class LoraCollector(Collector):
         for reason, n in sorted(c.refusals.items()):
             refusals.add_metric([*m, reason], n)
         yield refusals
+        requests = CounterMetricFamily(
+            "mstar:lora_requests", "Requests that named each LoRA adapter (served ones only).",
+            labels=["model_name", "adapter"],
+        )  # fmt: skip
+        for adapter, n in sorted(c.requests.items()):
+            requests.add_metric([*m, adapter], n)
+        yield requests
 
 
 def register_lora(app: web.Application) -> None:

@@ -1,9 +1,9 @@
 """The OpenAPI 3.1 document of the served routes, answered at `/openapi.json` (as vLLM does).
 
-The request schemas state what `protocol.py` accepts, field by field, with the same bounds:
-whatever a schema rejects, the server answers with a 4xx (the API fuzzer in the tests holds
-both to that). What only the running model can decide (prompt length against the context,
-tokens in the vocabulary, `best_of == n`) is left to the server and answered 400.
+The request schemas (`openapi_requests`) state what `protocol.py` accepts, field by field, with
+the same bounds: whatever a schema rejects, the server answers with a 4xx (the API fuzzer in the
+tests holds both to that). What only the running model can decide (prompt length against the
+context, tokens in the vocabulary, `best_of == n`) is left to the server and answered 400.
 """
 
 from __future__ import annotations
@@ -11,227 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from mstar.engine.outputs import FinishReason
-from mstar.engine.sampling_params import FLOAT_BOUNDS, LOGIT_BIAS_BOUND
-from mstar.engine.server.protocol import CHAT_ROLES, INT64, MAX_N, MAX_TOP_LOGPROBS
-
-JSON = "application/json"
-Schema = dict[str, Any]
-
-
-def _nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _flag() -> Schema:
-    return {"type": ["boolean", "null"]}
-
-
-def _int(lo: int | None = None, hi: int | None = None) -> Schema:
-    schema: Schema = {"type": ["integer", "null"]}
-    if lo is not None:
-        schema["minimum"] = lo
-    if hi is not None:
-        schema["maximum"] = hi
-    return schema
-
-
-def _number(name: str) -> Schema:
-    """A float parameter, in the range `SamplingParams` checks (`FLOAT_BOUNDS`)."""
-    bound = FLOAT_BOUNDS[name]
-    schema: Schema = {"type": ["number", "null"], "maximum": bound.hi}
-    schema["exclusiveMinimum" if bound.lo_open else "minimum"] = bound.lo
-    return schema
-
-
-def _object(required: list[str], properties: Schema) -> Schema:
-    return {"type": "object", "required": required, "properties": properties}
-
-
-def _function(required: list[str], properties: Schema) -> Schema:
-    """`{"type": "function", "function": {...}}`: a tool, a tool call, a named tool choice."""
-    return _object(
-        ["type", "function"],
-        {"type": {"const": "function"}, "function": _object(required, properties)},
-    )
-
-
-TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-
-#: Fields both generation routes take (`protocol._common`).
-COMMON: dict[str, Schema] = {
-    "model": {"type": ["string", "null"]},
-    "n": _int(1, MAX_N),
-    "stream": _flag(),
-    "stream_options": _nullable(
-        {"type": "object", "properties": {"include_usage": _flag()}},
-    ),
-    "best_of": _int(1),
-    "logit_bias": _nullable(
-        {
-            "type": "object",
-            "propertyNames": {"pattern": "^[0-9]+$"},
-            "additionalProperties": {
-                "type": "number",
-                "minimum": -LOGIT_BIAS_BOUND,
-                "maximum": LOGIT_BIAS_BOUND,
-            },
-        }
-    ),
-    "min_tokens": _int(0),
-    "response_format": _nullable(
-        {
-            "anyOf": [
-                _object(["type"], {"type": {"enum": ["text", "json_object"]}}),
-                _object(
-                    ["type", "json_schema"],
-                    {
-                        "type": {"const": "json_schema"},
-                        "json_schema": _object(
-                            ["name"],
-                            {
-                                "name": {"type": "string", "minLength": 1},
-                                "schema": {"type": ["object", "boolean"]},
-                                "strict": _flag(),
-                            },
-                        ),
-                    },
-                ),
-            ]
-        }
-    ),
-    "seed": _int(-INT64, INT64 - 1),
-    "temperature": _number("temperature"),
-    "top_p": _number("top_p"),
-    "top_k": _int(-1),
-    "min_p": _number("min_p"),
-    "repetition_penalty": _number("repetition_penalty"),
-    "presence_penalty": _number("presence_penalty"),
-    "frequency_penalty": _number("frequency_penalty"),
-    "stop": {
-        "anyOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}},
-            {"type": "null"},
-        ]
-    },
-    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
-    "ignore_eos": _flag(),
-    "include_stop_str_in_output": _flag(),
-    "skip_special_tokens": _flag(),
-    "prompt_logprobs": _int(0, MAX_TOP_LOGPROBS),  # vLLM's; also echo + logprobs
-}
-
-TEXT_PART: Schema = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
-
-MESSAGE: Schema = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"enum": sorted(CHAT_ROLES)},
-        "content": {
-            "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}]
-        },
-        "name": {"type": ["string", "null"]},
-        "tool_call_id": {"type": ["string", "null"]},
-        "tool_calls": _nullable({"type": "array", "items": _ref("ToolCall")}),
-    },
-}
-
-TOOL_CALL: Schema = _function(
-    ["name", "arguments"], {"name": {"type": "string"}, "arguments": {"type": "string"}}
+from mstar.engine.server.openapi_requests import (
+    JSON,
+    TOOL_CALL,
+    Schema,
+    chat_request,
+    completion_request,
+    nullable,
+    ref,
 )
-TOOL_CALL["required"] = ["function"]  # `id` and `type` may be left out
-TOOL_CALL["properties"]["id"] = {"type": "string"}
-
-TOOL: Schema = _function(
-    ["name"],
-    {
-        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
-        "description": {"type": ["string", "null"]},
-        "parameters": {"type": ["object", "null"]},
-    },
-)
-
-TOOL_CHOICE: Schema = {
-    "anyOf": [
-        {"enum": ["none", "auto", "required"]},
-        _function(["name"], {"name": {"type": "string", "minLength": 1}}),
-        {"type": "null"},
-    ]
-}
-
-
-def _only_when(field: str, requirement: Schema) -> Schema:
-    """`field` set (not null) requires `requirement` (e.g. stream_options needs stream: true)."""
-    return {
-        "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
-        "then": requirement,
-    }
-
-
-def _request(properties: dict[str, Schema], required: str, *rules: Schema) -> Schema:
-    stream_rule = _only_when(
-        "stream_options", {"required": ["stream"], "properties": {"stream": {"const": True}}}
-    )
-    return {
-        "type": "object",
-        "required": [required],
-        "properties": {**COMMON, **properties},
-        "allOf": [stream_rule, *rules],
-    }
-
-
-def completion_request(max_model_len: int) -> Schema:
-    """`/v1/completions`; `max_tokens` leaves at least one prompt token in the context."""
-    return _request(
-        {
-            "prompt": {
-                "anyOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                    TOKEN_IDS,
-                    {"type": "array", "items": TOKEN_IDS, "minItems": 1},
-                ]
-            },
-            "max_tokens": _int(1, max_model_len - 1),
-            "echo": _flag(),
-            "logprobs": _int(0, MAX_TOP_LOGPROBS),
-            "suffix": {"type": "null"},
-        },
-        "prompt",
-    )
-
-
-def chat_request(max_model_len: int) -> Schema:
-    """`/v1/chat/completions`; `top_logprobs` needs `logprobs: true`."""
-    top_rule = _only_when(
-        "top_logprobs", {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
-    )
-    return _request(
-        {
-            "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
-            # Deprecated; ignored when max_completion_tokens is given, so no context bound.
-            "max_tokens": _int(1),
-            "max_completion_tokens": _int(1, max_model_len - 1),
-            "logprobs": _flag(),
-            "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
-            "tools": _nullable({"type": "array", "items": TOOL}),
-            "tool_choice": TOOL_CHOICE,
-            "parallel_tool_calls": _flag(),
-        },
-        "messages",
-        top_rule,
-        _only_when("prompt_logprobs", {"properties": {"stream": {"enum": [False, None]}}}),
-    )
-
 
 FINISH_REASON: Schema = {"enum": [r.value for r in FinishReason]}
 
@@ -303,7 +91,7 @@ def _response(obj: str, field: str, content: Schema, logprobs: Schema) -> Schema
         "properties": {
             "index": {"type": "integer", "minimum": 0},
             field: content,
-            "logprobs": _nullable(logprobs),
+            "logprobs": nullable(logprobs),
             "finish_reason": FINISH_REASON,
         },
     }
@@ -328,7 +116,7 @@ ASSISTANT_MESSAGE: Schema = {
     "properties": {
         "role": {"const": "assistant"},
         "content": {"type": ["string", "null"]},
-        "tool_calls": {"type": "array", "items": _ref("ToolCall")},
+        "tool_calls": {"type": "array", "items": ref("ToolCall")},
     },
 }
 CHAT_RESPONSE = _response("chat.completion", "message", ASSISTANT_MESSAGE, CHAT_LOGPROBS)
@@ -366,6 +154,7 @@ MODELS: Schema = {
                     "created": {"type": "integer"},
                     "owned_by": {"type": "string"},
                     "root": {"type": "string"},
+                    "parent": {"type": ["string", "null"]},
                     "max_model_len": {"type": "integer", "minimum": 1},
                 },
             },
@@ -390,7 +179,7 @@ ERROR_STATUSES = {
 
 
 def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": description, "content": {JSON: {"schema": _ref("Error")}}}
+    out: dict[str, Any] = {"description": description, "content": {JSON: {"schema": ref("Error")}}}
     if headers:
         out["headers"] = headers
     return out
@@ -400,7 +189,7 @@ def _generation(summary: str, request: str, response: str, guarded: bool) -> dic
     responses: dict[str, Any] = {
         "200": {
             "description": "The completion; with `stream: true`, server-sent events.",
-            "content": {JSON: {"schema": _ref(response)}, "text/event-stream": {"schema": {}}},
+            "content": {JSON: {"schema": ref(response)}, "text/event-stream": {"schema": {}}},
         },
         **{code: _error(text) for code, text in ERROR_STATUSES.items()},
     }
@@ -411,7 +200,7 @@ def _generation(summary: str, request: str, response: str, guarded: bool) -> dic
         responses["401"] = _error("Missing or wrong API key.")
     return {
         "summary": summary,
-        "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+        "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
         "responses": responses,
     }
 
@@ -420,18 +209,78 @@ def _probe(summary: str) -> dict[str, Any]:
     return {
         "summary": summary,
         "responses": {
-            "200": {"description": "Up.", "content": {JSON: {"schema": _ref("Status")}}},
-            "503": {"description": "Not up.", "content": {JSON: {"schema": _ref("Status")}}},
+            "200": {"description": "Up.", "content": {JSON: {"schema": ref("Status")}}},
+            "503": {"description": "Not up.", "content": {JSON: {"schema": ref("Status")}}},
         },
     }
 
 
-def openapi_document(model_name: str, max_model_len: int, guarded: bool) -> dict[str, Any]:
-    """The document of one app; `guarded` when `/v1/*` needs the API key (bearer)."""
+LORA_STATUS: Schema = {
+    "type": "object",
+    "required": ["status", "message"],
+    "properties": {"status": {"const": "ok"}, "message": {"type": "string"}},
+}
+LORA_NAME: Schema = {"type": "string", "minLength": 1}
+
+
+def _lora_admin(summary: str, request: str, errors: dict[str, str]) -> dict[str, Any]:
+    """vLLM's LoRA admin routes (`lora_routes`): a JSON body in, a status out."""
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
+        "responses": {
+            "200": {"description": "Done.", "content": {JSON: {"schema": ref("LoraStatus")}}},
+            **{code: _error(text) for code, text in errors.items()},
+        },
+    }
+
+
+def _lora_paths() -> dict[str, Any]:
+    bad = "Malformed body, a name or folder that cannot be served (`param` names which)."
+    return {
+        "/v1/load_lora_adapter": {
+            "post": _lora_admin(
+                "Serve a PEFT LoRA adapter under `lora_name` (its weights load into a slot when "
+                "a request first names it).",
+                "LoadLoraAdapterRequest",
+                {"400": bad + " A taken name, a rank over `--max-lora-rank`.", "413": "Too large."},
+            )
+        },
+        "/v1/unload_lora_adapter": {
+            "post": _lora_admin(
+                "Stop serving an adapter (running requests finish with it).",
+                "UnloadLoraAdapterRequest",
+                {"400": bad, "404": "No such adapter (`param: lora_name`).", "413": "Too large."},
+            )
+        },
+    }
+
+
+LORA_SCHEMAS: Schema = {
+    "LoadLoraAdapterRequest": {
+        "type": "object",
+        "required": ["lora_name", "lora_path"],
+        "properties": {"lora_name": LORA_NAME, "lora_path": {"type": "string", "minLength": 1}},
+    },
+    "UnloadLoraAdapterRequest": {
+        "type": "object",
+        "required": ["lora_name"],
+        "properties": {"lora_name": LORA_NAME},
+    },
+    "LoraStatus": LORA_STATUS,
+}
+
+
+def openapi_document(
+    model_name: str, max_model_len: int, guarded: bool, lora: bool = False
+) -> dict[str, Any]:
+    """The document of one app; `guarded` when `/v1/*` needs the API key (bearer); `lora`
+    when adapters are served (`--enable-lora`: the admin routes answer 400 otherwise, so they
+    are documented only then)."""
     models: dict[str, Any] = {
         "summary": "The served model.",
         "responses": {
-            "200": {"description": "One model.", "content": {JSON: {"schema": _ref("Models")}}}
+            "200": {"description": "One model.", "content": {JSON: {"schema": ref("Models")}}}
         },
     }
     if guarded:
@@ -493,6 +342,9 @@ def openapi_document(model_name: str, max_model_len: int, guarded: bool) -> dict
             }
         },
     }
+    if lora:
+        doc["paths"].update(_lora_paths())
+        doc["components"]["schemas"].update(LORA_SCHEMAS)
     if guarded:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in doc["paths"].items():

@@ -1,4 +1,4 @@
-"""OpenAI request parsing and validation, and OpenAI-shaped errors.
+"""OpenAI request parsing and validation (errors: `errors`; reading the body: `body`).
 
 Every check happens here, before anything reaches the engine, so a bad request is answered
 with a 4xx naming the offending parameter instead of failing deep inside a step. The parsed
@@ -8,9 +8,7 @@ shape) next to the engine's `SamplingParams`.
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +18,7 @@ from mstar.engine.sampling_params import (
     SamplingParams,
     context_overflow,
 )
+from mstar.engine.server.errors import APIError, bad_request
 from mstar.engine.server.scoring import parse_prompt_logprobs
 from mstar.engine.server.structured import parse_response_format, request_grammar
 from mstar.engine.server.tools import ToolConfig, parse_tools
@@ -30,122 +29,6 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = SamplingParams.MAX_LOGPROBS
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 INT64 = 2**63
-#: Deepest JSON nesting a body may have. OpenAI bodies are a few levels deep; the bound makes a
-#: hostile body fail the same way whatever the interpreter's recursion limit is.
-MAX_JSON_DEPTH = 64
-
-
-class APIError(Exception):
-    """An error the client should see as `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def model_not_found(model: str) -> APIError:
-    return APIError(
-        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-    )
-
-
-# -- the body -----------------------------------------------------------------------------------
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def decode_json_body(raw: bytes, charset: str | None) -> Any:
-    """Bytes of a request body -> JSON value; every way it can be malformed is a 400.
-
-    The one gate for bodies: an unknown or non-text charset, bytes that are not in it, JSON
-    that does not parse (NaN, integers past Python's digit limit, nesting past
-    `MAX_JSON_DEPTH` or the recursion limit) and strings that are not valid Unicode (lone
-    UTF-16 surrogates such as a "\\ud800" escape, which no tokenizer can take) all end here.
-    """
-    encoding = charset or "utf-8"
-    try:
-        text = raw.decode(codecs.lookup(encoding).name)
-    except (LookupError, ValueError) as exc:  # unknown, not a text codec, or undecodable bytes
-        raise bad_request(f"Cannot decode the body as {encoding!r}: {exc}") from exc
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError as exc:
-        raise bad_request(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from exc
-    except ValueError as exc:  # JSONDecodeError, too many digits, NaN / Infinity
-        raise bad_request(f"Invalid JSON body: {exc}") from exc
-    _check_values(body)
-    return body
-
-
-def _valid_unicode(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _check_values(body: Any) -> None:
-    """Walk the parsed body (iteratively) for nesting depth and invalid strings.
-
-    A failure names the top-level field it sits under, which is the request parameter.
-    """
-    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
-    while stack:
-        value, depth, param = stack.pop()
-        if isinstance(value, str):
-            if not _valid_unicode(value):
-                where = f"'{param}'" if param else "The body"
-                raise bad_request(
-                    f"{where} contains a lone UTF-16 surrogate, which is not valid Unicode.",
-                    param,
-                )
-            continue
-        if not isinstance(value, dict | list):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise bad_request(
-                f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels", param
-            )
-        if isinstance(value, list):
-            stack.extend((item, depth + 1, param) for item in value)
-            continue
-        for key, item in value.items():
-            if not _valid_unicode(key):
-                raise bad_request("A key of the body is not valid Unicode (lone surrogate).", param)
-            stack.append((item, depth + 1, key if depth == 1 else param))
 
 
 # -- typed getters -------------------------------------------------------------------------------

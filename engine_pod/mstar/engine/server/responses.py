@@ -9,7 +9,8 @@ from aiohttp.client_exceptions import ClientConnectionResetError
 
 from mstar.engine.server import sse
 from mstar.engine.server.choice import Delta, chat_logprobs, completion_logprobs
-from mstar.engine.server.protocol import APIError, GenerationRequest
+from mstar.engine.server.errors import APIError
+from mstar.engine.server.protocol import GenerationRequest
 from mstar.engine.server.scoring import echo_logprobs, join_echo, vllm_prompt_logprobs
 from mstar.engine.server.tools import ToolStream, parse_output
 
@@ -36,7 +37,7 @@ def chunk(gen: Generation, choices: list[dict[str, Any]]) -> dict[str, Any]:
         "id": gen.id,
         "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
         "created": gen.created,
-        "model": gen.state.model_name,
+        "model": gen.response_model(),
         "choices": choices,
     }
     if gen.req.include_usage:
@@ -170,7 +171,7 @@ async def complete(gen: Generation, req: GenerationRequest) -> web.Response:
         "id": gen.id,
         "object": "chat.completion" if req.kind == "chat" else "text_completion",
         "created": gen.created,
-        "model": gen.state.model_name,
+        "model": gen.response_model(),
         "choices": choices,
         "usage": gen.usage(),
     }

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from mstar.engine.sampling_params import InvalidParameter
 from mstar.engine.server.async_engine import EngineDeadError
-from mstar.engine.server.protocol import APIError, GenerationRequest
+from mstar.engine.server.errors import APIError
+from mstar.engine.server.protocol import GenerationRequest
 
 #: How a refused `add_requests` answers, first matching row wins: (exception, HTTP status,
 #: OpenAI error type, message prefix). The engine has undone the whole batch in every case.

@@ -18,12 +18,8 @@ from aiohttp import web
 
 from mstar.engine.sampling_params import InvalidParameter
 from mstar.engine.server.body import read_json_body
-from mstar.engine.server.protocol import (
-    APIError,
-    bad_request,
-    model_not_found,
-    parse_messages,
-)
+from mstar.engine.server.errors import APIError, bad_request, model_not_found
+from mstar.engine.server.protocol import parse_messages
 from mstar.engine.server.state import STATE
 from mstar.engine.server.tools import parse_tools, template_messages
 

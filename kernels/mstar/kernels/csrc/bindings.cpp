@@ -545,7 +545,9 @@ std::vector<torch::Tensor> decode_layers(
   return run_decode_layers(h, residual, norm_in, norm_post, cache, layout, num_heads,
                            num_kv_heads, scale, eps,
                            [&](const torch::Tensor& x, int64_t i, int64_t j) {
-                             return small_linear(x, (*weights[j])[i], ns[j], biases[4 * i + j]);
+                             auto y = small_linear(x, (*weights[j])[i], ns[j], biases[4 * i + j]);
+                             lora_decode_add_(y, x, i, j);  // adapter rows, if any (lora_ops.h)
+                             return y;
                            });
 }
 
@@ -593,6 +595,12 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(moe_experts);
   MSTAR_DEF(lora_add_);
 #undef MSTAR_DEF
+  using Tensors = std::vector<at::Tensor>;
+  py::class_<LoraDecode>(m, "LoraDecode")
+      .def(py::init<Tensors, Tensors, Tensors, Tensors, std::vector<int64_t>,
+                    std::vector<int64_t>>())
+      .def("begin", &LoraDecode::begin)
+      .def("end", &LoraDecode::end);
 }
 
 }  // namespace

@@ -4,6 +4,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <utility>
+#include <vector>
+
 #include "lora.h"
 #include "lora_ops.h"
 
@@ -63,4 +66,59 @@ void lora_add_(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tenso
     run<float>(y, x, a, b, ranks, scales, seg_indptr, seg_slot, col_off);
   else
     run<c10::BFloat16>(y, x, a, b, ranks, scales, seg_indptr, seg_slot, col_off);
+}
+
+namespace {
+
+// The LoraDecode between begin() and end() on this thread (decode_layers runs on its caller's
+// thread, without the GIL).
+thread_local const LoraDecode* active_decode = nullptr;
+
+}  // namespace
+
+LoraDecode::LoraDecode(std::vector<at::Tensor> a, std::vector<at::Tensor> b,
+                       std::vector<at::Tensor> ranks, std::vector<at::Tensor> scales,
+                       std::vector<int64_t> col_offs, std::vector<int64_t> parts)
+    : a_(std::move(a)),
+      b_(std::move(b)),
+      ranks_(std::move(ranks)),
+      scales_(std::move(scales)),
+      col_offs_(std::move(col_offs)) {
+  const auto n = static_cast<int64_t>(a_.size());
+  TORCH_CHECK(static_cast<int64_t>(b_.size()) == n && static_cast<int64_t>(ranks_.size()) == n &&
+                  static_cast<int64_t>(scales_.size()) == n &&
+                  static_cast<int64_t>(col_offs_.size()) == n,
+              "LoraDecode: a, b, ranks, scales and col_offs need one entry per part");
+  TORCH_CHECK(!parts.empty() && parts.size() % 4 == 0,
+              "LoraDecode: parts needs 4 counts per layer");
+  first_.assign(1, 0);
+  for (const int64_t p : parts) {
+    TORCH_CHECK(p >= 0, "LoraDecode: a part count is negative");
+    first_.push_back(first_.back() + p);
+  }
+  TORCH_CHECK(first_.back() == n, "LoraDecode: parts add up to ", first_.back(), ", not ", n);
+}
+
+void LoraDecode::begin(at::Tensor seg_indptr, at::Tensor seg_slot) {
+  seg_indptr_ = std::move(seg_indptr);
+  seg_slot_ = std::move(seg_slot);
+  active_decode = this;
+}
+
+void LoraDecode::end() {
+  if (active_decode == this) active_decode = nullptr;
+  seg_indptr_ = at::Tensor();
+  seg_slot_ = at::Tensor();
+}
+
+void LoraDecode::add(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t proj) const {
+  const int64_t at = 4 * layer + proj;
+  TORCH_CHECK(proj >= 0 && proj < 4 && at + 1 < static_cast<int64_t>(first_.size()),
+              "LoraDecode: layer ", layer, " projection ", proj, " is outside its weights");
+  for (int64_t p = first_[at]; p < first_[at + 1]; ++p)
+    lora_add_(y, x, a_[p], b_[p], ranks_[p], scales_[p], seg_indptr_, seg_slot_, col_offs_[p]);
+}
+
+void lora_decode_add_(at::Tensor& y, const at::Tensor& x, int64_t layer, int64_t proj) {
+  if (active_decode != nullptr) active_decode->add(y, x, layer, proj);
 }
