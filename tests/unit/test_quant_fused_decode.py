@@ -3,8 +3,9 @@ the layer-by-layer `QuantLinear` path, on every ISA level this CPU runs (the x86
 plain C++ dots included), float32 and bf16, for a tiny Llama (one type per projection), a
 Qwen2 (QKV biases; Q, K, V stored in different types, so QKV is several parts), a Qwen3 (q/k
 norm) and a Gemma 3 (q/k norm, 1 + w sandwich norms, GELU-tanh, sliding-window layers on
-their local RoPE base; mixed QKV types). Two threads:
-the fused call splits its columns over every part at once, the layer path part by part."""
+their local RoPE base; mixed QKV types), at 1, 6 and 19 rows (the 4-row kernel and the batched
+tiles). Two threads: the fused call splits its columns over every part at once, the layer path
+part by part."""
 
 from __future__ import annotations
 
@@ -78,11 +79,12 @@ def test_quant_fused_decode_gives_the_layer_by_layer_bits(
     fused_rows = compare_fused_steps(decoder)
     rng = random.Random(0)
     vocab = decoder.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice([1, 5, 9]))] for _ in range(6)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice([1, 5, 9]))] for _ in range(19)]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(prompts[:1], params) + engine.generate(prompts, params)
-    assert [len(o) for o in outs] == [NEW_TOKENS] * 7
-    assert 1 in fused_rows and 6 in fused_rows
+    outs = [engine.generate(prompts[:n], params) for n in (1, 6, 19)]
+    assert [len(o) for batch in outs for o in batch] == [NEW_TOKENS] * 26
+    # 1 and 6 rows: the 4-row kernel; 19: the batched tiles (8 rows or more)
+    assert {1, 6, 19} <= set(fused_rows)
 
 
 def test_a_projection_not_all_blocks_is_not_gathered(tmp_path: Path, monkeypatch) -> None:

@@ -86,10 +86,12 @@ def test_dequantize_equals_gguf(kernels, name, n, k):
 
 
 @pytest.mark.parametrize("name", TYPE_NAMES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 17, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), SHAPES[1:])
 def test_quant_linear_matches_the_references(kernels, name, rows, dtype, n, k):
+    """1-4 rows: the 4-row kernel; 9, 17, 40: the batched tiles (8 or more rows), with partial
+    tiles of activation rows and of weight rows (37 outputs)."""
     blocks = make_blocks(name, n, k, seed=rows)
     w = gguf_weight(blocks, name).astype(np.float64)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)

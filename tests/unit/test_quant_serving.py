@@ -149,7 +149,7 @@ def test_gguf_served_quantized_matches_dequantized(tmp_path, monkeypatch, caplog
     # the same blocks through the dequantize-then-GEMM path: float rounding only, so the
     # tolerance above is the activations' quantization and not misplaced rows
     monkeypatch.setattr(quant_linear, "DEQUANT_MIN_ROWS", 1)
-    monkeypatch.setattr(quant_linear, "DEQUANT_MIN_ROWS_AVX2", 1)
+    monkeypatch.setattr(quant_linear, "DEQUANT_MIN_ROWS_AMX", 1)
     exact = PagedPool(cfg, num_pages=16, page_size=4).step(quant, [(0, ids)], all_logits=True)
     torch.testing.assert_close(exact, ref_all, atol=1e-4, rtol=1e-4)
 

@@ -5,9 +5,10 @@ copy, a Q8_0 one 0.53x. The weight stays in the GGUF file's blocks (ggml's layou
 ``in_features / block`` whole blocks per output), and `cpu_kernels`' ``quant_linear``
 multiplies them as they are: x's rows are quantized to 8 bits per 32 values once per call and
 each group's dot product is an integer one (AVX2 ``VPMADDUBSW``, AVX512-VNNI ``VPDPBUSD``; plain
-C++ on the x86-64 baseline), as llama.cpp's CPU backend does. Batches from `DEQUANT_MIN_ROWS`
-rows (prompt chunks), where the arithmetic outweighs the bytes, dequantize the weight into a
-scratch copy in x's dtype and take torch's GEMM (float32 where oneDNN has no bf16 GEMM: AVX2).
+C++ on the x86-64 baseline), as llama.cpp's CPU backend does; batches of 8 rows or more take a
+tile of weight rows unpacked once against every row (`csrc/quant_tile.h`). Batches from
+`DEQUANT_MIN_ROWS` rows (long prompt chunks; 64 where the CPU has AMX) dequantize the weight into
+a scratch copy in x's dtype and take torch's GEMM (float32 where oneDNN has no bf16 GEMM: AVX2).
 
 Types: ggml's ids (``gguf.GGMLQuantizationType``), the ones files users have: Q8_0, Q4_0, Q4_1
 (the default model), Q4_K, Q5_K, Q6_K (Q4_K_M / Q5_K_M files mix them), and Q5_0 / Q5_1, which
@@ -33,13 +34,16 @@ SERVED = tuple(
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 )
 
-#: Batches from this many rows dequantize the weight and run torch's GEMM instead of the integer
-#: kernel where oneDNN has a bf16 GEMM (AVX-512), and from `DEQUANT_MIN_ROWS_AVX2` where it
-#: has none (the float32 GEMM). `bench/bench_quant.py`'s row sweep over the Q4_1 file's layers,
-#: bf16 x, 2-core Zen 4: integer 24.1 / 31.8 ms against 24.4 / 26.7 at 12 / 16 rows (avx512-bf16);
-#: 75.7 / 149 against 77.9 / 110 at 32 / 64 rows (x86-64-v3, oneDNN capped at AVX2).
-DEQUANT_MIN_ROWS = 16
-DEQUANT_MIN_ROWS_AVX2 = 48
+#: Batches from this many rows dequantize the weight and run torch's GEMM instead of the
+#: integer kernels (whose batches from 8 rows take the tiles: each weight block unpacked once
+#: per call for all rows). `bench/bench_quant.py`'s row sweep over the Q4_1 file's 30 layers,
+#: one thread of a 2-core Zen 4, bf16 x: integer 82 / 147 / 283 ms against 98 / 174 / 318 ms
+#: for the dequantized weight and oneDNN's bf16 GEMM at 64 / 128 / 256 rows (avx512-bf16);
+#: 129 / 249 against 200 / 360 at 64 / 128 (x86-64-v3, oneDNN's float32 GEMM capped at AVX2).
+DEQUANT_MIN_ROWS = 512
+#: Where the CPU has AMX tiles, whose bf16 GEMM runs several times VNNI's integer rate, prompt
+#: chunks from this many rows take the dequantized weight (not measured: no AMX on this host).
+DEQUANT_MIN_ROWS_AMX = 64
 
 
 def served(qtype: int) -> bool:
@@ -94,7 +98,9 @@ class QuantLinear(nn.Module):
         self.in_features = in_features
         self.out_features = int(blocks.shape[0])
         self.kernels = kernels
-        self.onednn_bf16 = cpu_isa.planning_features().onednn_bf16
+        features = cpu_isa.planning_features()
+        self.onednn_bf16 = features.onednn_bf16
+        self.amx = {"amx_tile", "amx_bf16"} <= features.flags
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
@@ -107,7 +113,7 @@ class QuantLinear(nn.Module):
     @property
     def dequant_min_rows(self) -> int:
         """Rows from which a batch takes the dequantized weight's GEMM."""
-        return DEQUANT_MIN_ROWS if self.onednn_bf16 else DEQUANT_MIN_ROWS_AVX2
+        return DEQUANT_MIN_ROWS_AMX if self.amx else DEQUANT_MIN_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2 and x.stride(-1) == 1  # a decode step's [T, K]: used as is
