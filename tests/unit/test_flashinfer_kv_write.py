@@ -42,8 +42,9 @@ CPU = torch.device("cpu")
 def _plans(seed: int, steps: int = 4) -> list[KVPlan]:
     """Random mixed steps over a real KV resource: prompts of 1-11 tokens, decodes, commits."""
     rng = random.Random(seed)
-    kv = KVCacheResource(KVConfig(num_layers=1, num_kv_heads=HEADS, head_dim=DIM,
-                                  num_pages=PAGES, page_size=PS))  # fmt: skip
+    config = KVConfig(num_layers=1, num_kv_heads=HEADS, head_dim=DIM, num_pages=PAGES,
+                      page_size=PS, reserve_sink_page=True)  # fmt: skip
+    kv = KVCacheResource(config)
     rids = [f"r{i}" for i in range(5)]
     for rid in rids:
         kv.ingest_request(rid)
@@ -68,7 +69,9 @@ def _kv(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return qkv[:, HEADS : 2 * HEADS], qkv[:, 2 * HEADS :]
 
 
-def _both_writes(layout_args: tuple, slots: torch.Tensor, seed: int) -> None:
+def _both_writes(layout_args: tuple, slots: torch.Tensor, seed: int, first_page: int = 0) -> None:
+    """Both writes of the same rows agree on every page from ``first_page`` (a padded layout's
+    rows all write the sink page 0, in no defined order on a GPU)."""
     tokens = slots.numel()
     k, v = _kv(tokens, seed)
     by_slots = torch.zeros(PAGES, 2, PS, HEADS, DIM)
@@ -76,7 +79,8 @@ def _both_writes(layout_args: tuple, slots: torch.Tensor, seed: int) -> None:
     appended = torch.zeros_like(by_slots)
     layout = stage_append_layout(*layout_args, PS, CPU)
     KVAppend(append_kv_reference)(appended, k, v, layout)
-    assert torch.equal(appended, by_slots)
+    assert torch.equal(appended[first_page:], by_slots[first_page:])
+    assert appended[first_page:].abs().sum() > 0
 
 
 def test_rows_and_positions_of_a_mixed_step() -> None:
@@ -110,7 +114,7 @@ def test_padded_graph_layout_writes_the_sink_page_in_a_static_buffer() -> None:
     assert layout.kv_indices.numel() == static.numel() - (4 * bs + 1)
     n = len(plan.request_ids)
     assert layout.positions[n:].tolist() == [0] * (bs - n)  # pad rows: entry 0 of the sink
-    _both_writes(args, lay.write_slots, 7)
+    _both_writes(args, lay.write_slots, 7, first_page=sink + 1)
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -280,7 +280,8 @@ class Fp8LinearMethod:
             return
         spec = module.spec
         if self.source.layout == "quantize":
-            parts = [quantize_rows(t) for t in tensors]
+            # on the model's device: an 8B model's 7 G weights quantize in a second on a GPU
+            parts = [quantize_rows(t.to(module.weight.device)) for t in tensors]
             copy_rows(module.weight, [q for q, _ in parts])
             copy_rows(module.weight_scale, [s for _, s in parts])
             return
