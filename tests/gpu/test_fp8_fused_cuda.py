@@ -20,14 +20,14 @@ import torch
 from cuda_testing import build_hd64_llama, cuda_engine, needs_cuda, needs_flashinfer
 
 from mstar.engine.model.cuda_ops import ReferenceFused
-from mstar.engine.model.fp8 import Fp8Linear, quantize_rows
+from mstar.engine.model.fp8 import Fp8Linear, quantize_activations, quantize_rows
 from mstar.engine.model.linear import LinearSpec
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.engine.resources.attention import pad_decode_layout
 from mstar.engine.resources.kv import KVCacheResource, KVConfig
 from mstar.engine.resources.step import ADMIT_OK, ResourceStep, Segment, StepContext
 from mstar.engine.sampling_params import SamplingParams
-from mstar.kernels import write_kv
+from mstar.kernels import fp8_quant, write_kv
 from mstar.kernels.flashinfer_kv_write import stage_append_layout
 
 pytestmark = [needs_cuda]
@@ -55,10 +55,13 @@ SHAPES = [
 
 @pytest.mark.parametrize(("m", "n", "k", "bias"), SHAPES)
 @pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("triton", [False, True])
 def test_scaled_mm_matches_the_dequantized_reference(
-    m: int, n: int, k: int, bias: bool, static: bool
+    m: int, n: int, k: int, bias: bool, static: bool, triton: bool
 ) -> None:
     mod = _fp8_linear(n, k, bias)
+    if triton:
+        mod.quantize = fp8_quant.load()
     x = torch.randn(m, k, device=CUDA).to(torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), mod.dequantized(torch.float32),
                                       None if mod.bias is None else mod.bias.float())  # fmt: skip
@@ -72,6 +75,21 @@ def test_scaled_mm_matches_the_dequantized_reference(
     assert err < 0.06
 
 
+@pytest.mark.parametrize("k", [64, 576, 4096, 14336])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_quantizer_equals_the_torch_quantizer(k: int, dtype: torch.dtype) -> None:
+    """The one-kernel per-token quantizer the FP8 GEMMs run, bit for bit against the torch ops
+    (CPU CI can only run it under Triton's interpreter, whose e4m3 cast differs)."""
+    quantize = fp8_quant.load()
+    x = (torch.randn(33, 2 * k, device=CUDA) * 5).to(dtype)[:, :k]  # strided rows
+    x[3] = 0
+    for static in (None, torch.tensor(0.03, device=CUDA)):
+        got_q, got_s = quantize(x, static)
+        want_q, want_s = quantize_activations(x, static)
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_quantization_fp8_engine_runs_fp8_gemms_and_tracks_the_reference(tmp_path: Path) -> None:
     folder = build_hd64_llama(tmp_path / "llama")
     prompts = [[5, 6, 7, 8], [40 + i for i in range(20)], [9, 3]]
@@ -80,6 +98,7 @@ def test_quantization_fp8_engine_runs_fp8_gemms_and_tracks_the_reference(tmp_pat
     engine = cuda_engine(folder, quantization="fp8", enforce_eager=True)
     linears = [m for m in engine.decoder.modules() if isinstance(m, Fp8Linear)]
     assert linears and all(m.fp8_gemm for m in linears)
+    assert all(m.quantize is not quantize_activations for m in linears)  # Triton's kernel
     got = engine.generate(prompts, params)
     engine.kv.assert_pages_conserved()
     for m in linears:  # the same FP8 weights, dequantized: weight-only quantization

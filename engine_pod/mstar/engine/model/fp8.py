@@ -15,7 +15,9 @@ Every scale becomes one float32 per output row (a fused Q/K/V keeps each part's 
 `Fp8Linear` holds ``weight`` [N, K] e4m3 and ``weight_scale`` [N]. It runs:
 
 - on CUDA in bf16 (Hopper): activations quantized per token at run time (or with the
-  checkpoint's static scale), then ``torch._scaled_mm`` with row-wise scales into bf16;
+  checkpoint's static scale; one Triton kernel, `mstar.kernels.fp8_quant`, where Triton
+  imports, else `quantize_activations`' torch ops), then ``torch._scaled_mm`` with row-wise
+  scales into bf16;
 - elsewhere: the reference path, ``x @ (weight * scale).T`` in the activation dtype: float32
   greedy equals the model whose weights are the dequantized FP8 values, token for token.
 
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,7 @@ from mstar.engine.model.linear import (
     copy_rows,
 )
 from mstar.engine.model.registry import family_named
+from mstar.kernels import fp8_quant
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +154,10 @@ class Fp8Linear(nn.Module):
         self.input_scale: torch.Tensor | None = None
         #: run ``torch._scaled_mm`` (set by `Fp8LinearMethod.finalize` on CUDA bf16)
         self.fp8_gemm = False
+        #: the activation quantizer the FP8 GEMM path runs (`quantize_activations`' contract)
+        self.quantize: Callable[
+            [torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
+        ] = quantize_activations
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weights as the float values they stand for: ``weight * scale`` per row."""
@@ -158,7 +166,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_gemm:
             return F.linear(x, self.dequantized(x.dtype), self.bias)
-        xq, x_scale = quantize_activations(x, self.input_scale)
+        xq, x_scale = self.quantize(x, self.input_scale)
         out: torch.Tensor = torch._scaled_mm(
             xq,
             self.weight.t(),  # [K, N] column-major, as the FP8 GEMM takes its second operand
@@ -250,12 +258,22 @@ class Fp8LinearMethod:
         self.checkpoint = checkpoint
         self.dense = dense
         self._fallbacks: set[str] = set()
+        self._triton: Any = None
 
     def with_dense(self, dense: LinearMethod) -> Fp8LinearMethod:
         """This method with another dense method (the loader's finalize-time one)."""
         twin = Fp8LinearMethod(self.source, self.checkpoint, dense)
-        twin._fallbacks = self._fallbacks
+        twin._fallbacks, twin._triton = self._fallbacks, self._triton
         return twin
+
+    def _quantizer(self) -> Any:
+        """The Triton per-token quantizer (one kernel) where Triton imports and
+        ``MSTAR_FP8_TRITON_QUANT`` is not 0; else the torch ops."""
+        if self._triton is None:
+            use = fp8_quant.available() and os.environ.get("MSTAR_FP8_TRITON_QUANT", "1") != "0"
+            self._triton = fp8_quant.load() if use else quantize_activations
+            log.info("FP8 activations: %s", "one Triton kernel" if use else "torch ops")
+        return self._triton
 
     def takes(self, spec: LinearSpec) -> bool:
         """Stored FP8 weights; or, quantizing at load, every layer projection (not the head)."""
@@ -308,6 +326,8 @@ class Fp8LinearMethod:
             return self.dense.finalize(spec, dense)
         why = fp8_gemm_fits(module, dtype, module.weight.device)
         module.fp8_gemm = why is None
+        if module.fp8_gemm:
+            module.quantize = self._quantizer()
         if why is not None and why not in self._fallbacks:
             self._fallbacks.add(why)
             log.info("FP8 %s: %s", spec.name, why)
