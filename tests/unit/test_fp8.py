@@ -272,3 +272,19 @@ def test_triton_quantizer_matches_the_torch_quantizer_under_the_interpreter() ->
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_quantization_fp8_flag_round_trips_and_refuses_tensor_parallelism() -> None:
+    import argparse
+
+    from mstar.engine.config import add_cli_args, from_namespace, to_cli_args
+
+    cfg = EngineConfig(model="m", quantization="fp8")
+    assert cfg.validate() == [] and "fp8" in to_cli_args(cfg)
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert from_namespace(parser.parse_args(to_cli_args(cfg))) == cfg
+    with pytest.raises(ValueError, match="--quantization fp8: not served with --tensor-par"):
+        EngineConfig(model="m", quantization="fp8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--quantization must be one of auto, none, fp8"):
+        EngineConfig(quantization="int4")

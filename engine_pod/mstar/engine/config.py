@@ -311,6 +311,8 @@ class EngineConfig:
             problems.append(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
         if self.tensor_parallel_size > 1 and self.lora_enabled:
             problems.append("--enable-lora: not served with --tensor-parallel-size > 1")
+        if self.tensor_parallel_size > 1 and self.quantization == "fp8":
+            problems.append("--quantization fp8: not served with --tensor-parallel-size > 1")
         if self.nnodes > 1 and not self.dist_init_addr:
             problems.append("--dist-init-addr is required with --nnodes above 1")
         if self.dist_init_addr is not None:
