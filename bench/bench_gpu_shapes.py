@@ -9,19 +9,23 @@ and ``torch.compile(mode="reduce-overhead")``) runs the same weights. Reported p
   a step is launched before the previous one's tokens are read, so this is the device pace);
 - kernels a step and a layer, and device-busy ms a step (torch.profiler over a few steps);
 - the HBM floor: weight bytes / `--hbm-gbps` (the step can be no faster than reading them);
-- the peer's ms a step on the same weights and batch.
+- the peer's ms a step on the same weights and batch;
+- with ``--fp8-batches``, mstar again with ``--quantization fp8`` (the layer projections
+  quantized to e4m3 at load, FP8 GEMMs with per-token activation scales), its ms a step beside
+  the bf16 step and its own HBM floor (the FP8 weights' bytes).
 
     python3 bench/bench_gpu_shapes.py                       # CUDA, every shape
     python3 bench/bench_gpu_shapes.py --device cpu --tiny   # tiny shapes, CPU (the test)
 
-The issue's targets (bench/README.md lists the expected figures): Qwen2.5-0.5B at or under
+The issues' targets (bench/README.md lists the expected figures): Qwen2.5-0.5B at or under
 vLLM's H100 PCIe 1.68 / 1.73 / 2.15 ms at batch 1 / 8 / 32 and ahead of the peer; the 8B shape
-at batch 1 within 1.25x of the HBM floor.
+at batch 1 within 1.25x of the HBM floor, and its FP8 step <= 0.6x the bf16 step (issue 46).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import tempfile
@@ -117,6 +121,22 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+#: the checkpoint projections ``--quantization fp8`` stores in e4m3
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a step reads with the layer projections in e4m3 (plus a float32 scale per row);
+    embeddings, head and norms keep their dtype."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in FP8_PROJECTIONS:
+            total += p.numel() + 4 * p.shape[0]
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
 def timed(fn: Callable[[], object], steps: int, device: torch.device) -> float:
     """ms per call of ``fn`` over ``steps`` calls (CUDA events on CUDA)."""
     if device.type == "cuda":
@@ -156,8 +176,11 @@ def profile_kernels(
     return len(events) / steps, busy_us / 1e3 / steps
 
 
-def mstar_steps(folder: Path, device: torch.device, batches: list[int], args: Any) -> dict:
-    """Per batch: ms a step, kernels a step, device-busy ms a step."""
+def mstar_steps(
+    folder: Path, device: torch.device, batches: list[int], args: Any, quantization: str = "auto"
+) -> dict:
+    """Per batch: ms a step, kernels a step, device-busy ms a step. The engine is released
+    before returning (the next one takes the device memory for its KV cache)."""
     from mstar.engine.config import EngineConfig
     from mstar.engine.engine import LLMEngine
     from mstar.engine.sampling_params import SamplingParams
@@ -170,6 +193,7 @@ def mstar_steps(folder: Path, device: torch.device, batches: list[int], args: An
         num_pages=None if device.type == "cuda" else 512,
         cuda_graph_batch_sizes=sorted(set(batches)),
         enable_prefix_caching=False,
+        quantization=quantization,
     )
     engine = LLMEngine.from_config(cfg)
     vocab = engine.model_config.vocab_size
@@ -194,6 +218,11 @@ def mstar_steps(folder: Path, device: torch.device, batches: list[int], args: An
     out_layers = engine.model_config.num_layers
     for v in out.values():
         v["kernels_per_layer"] = v["kernels"] / out_layers
+    engine.close()
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -258,6 +287,8 @@ def main() -> None:
                     help="batches for llama-3.1-8b (its target is batch 1)")  # fmt: skip
     ap.add_argument("--peer-batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--peer-eager", action="store_true", help="no torch.compile for the peer")
+    ap.add_argument("--fp8-batches", type=int, nargs="+", default=[],
+                    help="also run mstar with --quantization fp8 at these batches")  # fmt: skip
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=5)
@@ -274,7 +305,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=shm) as tmp:
             t0 = time.perf_counter()
             model = build_checkpoint(name, Path(tmp) / name, device, args.tiny)
-            nbytes = weight_bytes(model)
+            nbytes, fp8_bytes = weight_bytes(model), fp8_weight_bytes(model)
             built = time.perf_counter() - t0
             peer_batches = [b for b in args.peer_batches if b in batches]
             peer = peer_steps(model, device, peer_batches, args) if peer_batches else {}
@@ -282,15 +313,21 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             mstar = mstar_steps(Path(tmp) / name, device, batches, args)
-        floor = nbytes / (gbps * 1e9) * 1e3 if gbps else math.nan
+            _print_shape(name, nbytes, _floor(nbytes, gbps), mstar, peer)
+            fp8 = {}
+            if args.fp8_batches:
+                fp8 = mstar_steps(Path(tmp) / name, device, args.fp8_batches, args, "fp8")
+                _print_fp8(fp8, mstar, _floor(fp8_bytes, gbps))
         results["shapes"][name] = {
             "weight_bytes": nbytes,
-            "floor_ms": floor,
+            "floor_ms": _floor(nbytes, gbps),
             "mstar": mstar,
             "peer": peer,
             "build_s": built,
+            "fp8_weight_bytes": fp8_bytes,
+            "fp8_floor_ms": _floor(fp8_bytes, gbps),
+            "fp8": fp8,
         }
-        _print_shape(name, nbytes, floor, mstar, peer)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
 
@@ -308,6 +345,22 @@ def _print_shape(name: str, nbytes: int, floor: float, mstar: dict, peer: dict) 
             f"| {m['busy_ms']:.3f} | {f'{p:.3f}' if p else '-'} | {ratio} "
             f"| {m['ms'] / floor:.2f} |"
         )
+
+
+def _floor(nbytes: int, gbps: float) -> float:
+    return nbytes / (gbps * 1e9) * 1e3 if gbps else math.nan
+
+
+def _print_fp8(fp8: dict, bf16: dict, floor: float) -> None:
+    print(f"FP8 (--quantization fp8), HBM floor {floor:.3f} ms a step (target: <= 0.6x bf16)")
+    print("| batch | fp8 ms/step | bf16 ms/step | fp8/bf16 | kernels/layer | fp8/floor |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for b, m in fp8.items():
+        ref = bf16.get(b)
+        ratio = f"{m['ms'] / ref['ms']:.2f}" if ref else "-"
+        bf = f"{ref['ms']:.3f}" if ref else "-"
+        print(f"| {b} | {m['ms']:.3f} | {bf} | {ratio} | {m['kernels_per_layer']:.1f} "
+              f"| {m['ms'] / floor:.2f} |")  # fmt: skip
 
 
 def _device_name(device: torch.device) -> str:

@@ -21,11 +21,13 @@ def test_tiny_cpu_run_reports_every_figure(
         "--device", "cpu", "--tiny", "--shapes", "qwen2.5-0.5b", "llama-3.1-8b",
         "--batches", "1", "4", "--big-batches", "1", "--peer-batches", "1",
         "--steps", "3", "--warmup", "1", "--profile-steps", "1", "--hbm-gbps", "20",
+        "--fp8-batches", "1",
         "--json", str(out),
     ]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     bench_gpu_shapes.main()
-    assert "| batch | mstar ms/step" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| batch | mstar ms/step" in printed and "| batch | fp8 ms/step" in printed
     results = json.loads(out.read_text())
     assert results["device"] == "cpu" and results["hbm_gbps"] == 20
     qwen = results["shapes"]["qwen2.5-0.5b"]
@@ -36,3 +38,8 @@ def test_tiny_cpu_run_reports_every_figure(
         assert figures["kernels_per_layer"] == figures["kernels"] / 2  # TINY: two layers
     # the 8B shape runs its own batch list (batch 1 by default on the device)
     assert sorted(results["shapes"]["llama-3.1-8b"]["mstar"]) == ["1"]
+    # FP8 at load: the e4m3 projections read a byte per weight, so a smaller floor
+    big = results["shapes"]["llama-3.1-8b"]
+    assert sorted(big["fp8"]) == ["1"] and big["fp8"]["1"]["ms"] > 0
+    assert 0 < big["fp8_weight_bytes"] < big["weight_bytes"]
+    assert big["fp8_floor_ms"] == big["fp8_weight_bytes"] / 20e9 * 1e3

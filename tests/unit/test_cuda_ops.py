@@ -1,7 +1,8 @@
 """The fused glue-op wiring of `model.cuda_ops`, on CPU: the layers through `FusedGlueOps` over
-FlashInfer's contracts in plain torch (`ReferenceFused`) decode exactly what the unfused torch
-ops and transformers decode (float32), and a CUDA bf16 decoder picks FlashInfer's kernels (a
-fake module stands in for FlashInfer, only here)."""
+FlashInfer's contracts in plain torch (`ReferenceFused`: add+RMSNorm, SiLU*up, RoPE from the
+step's positions and a float32 cos|sin cache) decode exactly what the unfused torch ops and
+transformers decode (float32), and a CUDA bf16 decoder picks FlashInfer's kernels (a fake
+module stands in for FlashInfer, only here)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,44 @@ def test_reference_fused_ops_decode_like_the_unfused_ops(tiny_llama_dir: Path) -
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     plain = _torch_ops_engine(tiny_llama_dir).generate(PROMPTS, params)
     engine = _torch_ops_engine(tiny_llama_dir)
-    ops = FusedGlueOps(ReferenceFused.fused_add_rmsnorm, ReferenceFused.silu_and_mul)
+    rope = ReferenceFused.apply_rope_with_cos_sin_cache_inplace
+    kv_heads = engine.model_config.num_kv_heads
+    ops = FusedGlueOps(
+        ReferenceFused.fused_add_rmsnorm, ReferenceFused.silu_and_mul, rope, kv_heads
+    )
     engine.decoder.cpu_kernels = ops
     assert engine.generate(PROMPTS, params) == plain == hf_greedy(tiny_llama_dir, PROMPTS, NEW)
     layers = engine.model_config.num_layers
     steps = ops.calls["silu_mul"] // layers
     assert steps >= NEW and ops.calls["silu_mul"] == steps * layers
-    # Per step: every layer's post-attention norm, layers 1.. input norm, the final norm.
-    assert ops.calls["add_rms_norm_"] == steps * 2 * layers
+    assert ops.calls["rope_"] == steps * layers
+    # Per step: both norms of every layer (layer 0's input norm over a zero residual), and
+    # the final norm.
+    assert ops.calls["add_rms_norm_"] == steps * (2 * layers + 1)
+
+
+def test_reference_rope_matches_the_layers_rotation_in_bf16() -> None:
+    """FlashInfer's RoPE contract (float32 math over the widened table, one rounding) against
+    torch's bf16 rotation of the same Q|K views: within bf16, the K heads after the Q heads."""
+    from mstar.engine.model.rope import RotaryEmbedding
+
+    table = RotaryEmbedding(64, 256, 10000.0, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(7, 6 + 2 * 2, 64, generator=gen).to(torch.bfloat16)
+    positions = torch.tensor([0, 3, 17, 100, 101, 255, 5])
+    want = qkv.clone()
+    table.rotate_(want[:, :8], *table.lookup(positions))
+    ops = FusedGlueOps(
+        ReferenceFused.fused_add_rmsnorm,
+        ReferenceFused.silu_and_mul,
+        ReferenceFused.apply_rope_with_cos_sin_cache_inplace,
+        kv_heads=2,
+    )
+    got = qkv.clone()
+    ops.rope_(got[:, :8], *ops.rope_lookup(table, positions))
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+    assert torch.equal(got[:, 8:], qkv[:, 8:])  # V untouched
+    assert not torch.equal(got[:, :8], qkv[:, :8])
 
 
 def test_reference_matches_the_layers_rms_norm_in_bf16() -> None:
@@ -66,6 +97,9 @@ def _fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     fake = {
         "flashinfer.norm": types.SimpleNamespace(fused_add_rmsnorm=lambda *a: None),
         "flashinfer.activation": types.SimpleNamespace(silu_and_mul=lambda x: x),
+        "flashinfer.rope": types.SimpleNamespace(
+            apply_rope_with_cos_sin_cache_inplace=lambda *a: None
+        ),
     }
     monkeypatch.setattr(cuda_ops.importlib, "import_module", lambda name: fake[name])
     return fake
@@ -80,11 +114,21 @@ def test_a_cuda_bf16_decoder_selects_flashinfers_ops(monkeypatch: pytest.MonkeyP
     assert ops._silu_and_mul is fake["flashinfer.activation"].silu_and_mul
     assert cuda_ops.fused_glue_ops(cpu, torch.bfloat16) is None
     assert cuda_ops.fused_glue_ops(cuda, torch.float32) is None  # float32 keeps torch's ops
-    decoder = types.SimpleNamespace(cpu_kernels=None)
+    one_table = types.SimpleNamespace(num_kv_heads=2)
+    made: list[bool] = []
+    table = types.SimpleNamespace(cos_sin_cache=lambda: made.append(True))
+    decoder = types.SimpleNamespace(cpu_kernels=None, config=one_table, ropes={"global": table})
     assert attach_fused_glue_ops(decoder, cuda, torch.bfloat16, deterministic=False)
     assert isinstance(decoder.cpu_kernels, FusedGlueOps)
+    rope = fake["flashinfer.rope"].apply_rope_with_cos_sin_cache_inplace
+    assert decoder.cpu_kernels._rope is rope and decoder.cpu_kernels.kv_heads == 2
+    assert made == [True]  # the float32 cache exists before any graph is captured
+    # Gemma 3's two RoPE tables keep torch's rotation (one cache per fused call)
+    two = types.SimpleNamespace(cpu_kernels=None, config=one_table, ropes={"a": 0, "b": 1})
+    assert attach_fused_glue_ops(two, cuda, torch.bfloat16, deterministic=False)
+    assert two.cpu_kernels._rope is None
     for deterministic, kernels in ((True, None), (False, object())):
-        other = types.SimpleNamespace(cpu_kernels=kernels)
+        other = types.SimpleNamespace(cpu_kernels=kernels, config=one_table, ropes={})
         assert not attach_fused_glue_ops(other, cuda, torch.bfloat16, deterministic)
         assert other.cpu_kernels is kernels
 
@@ -94,6 +138,7 @@ def test_without_flashinfer_the_layers_keep_torchs_ops(monkeypatch: pytest.Monke
         raise ImportError(f"No module named {name!r}")
 
     monkeypatch.setattr(cuda_ops.importlib, "import_module", missing)
-    decoder = types.SimpleNamespace(cpu_kernels=None)
+    config = types.SimpleNamespace(num_kv_heads=2)
+    decoder = types.SimpleNamespace(cpu_kernels=None, config=config, ropes={"g": 0})
     assert not attach_fused_glue_ops(decoder, torch.device("cuda"), torch.bfloat16, False)
     assert decoder.cpu_kernels is None

@@ -21,8 +21,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 STEP_BUDGETS = ("adaptive", "fixed")
-#: --quantization: "auto" serves quantized checkpoint weights as stored, "none" dequantizes
-QUANTIZATIONS = ("auto", "none")
+#: --quantization: "auto" serves quantized checkpoint weights as stored, "none" dequantizes,
+#: "fp8" quantizes float weights to e4m3 at load (`model.fp8`)
+QUANTIZATIONS = ("auto", "none", "fp8")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -59,8 +60,10 @@ class EngineConfig:
         metadata=_flag(
             "Quantized checkpoint weights. auto: served as stored (a GGUF file's Q8_0, Q4_0, "
             "Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K projections, on CPU with float32 or "
-            "bfloat16 activations; other tensors dequantized); none: every weight dequantized "
-            "to --dtype at load.",
+            "bfloat16 activations; other tensors dequantized; an FP8 checkpoint's e4m3 "
+            "weights, FP8 GEMMs on CUDA); none: every weight dequantized to --dtype at load; "
+            "fp8: a float checkpoint's layer projections quantized to e4m3 at load, one scale "
+            "per output channel.",
             choices=QUANTIZATIONS,
         ),
     )
@@ -316,6 +319,8 @@ class EngineConfig:
             problems.append(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
         if self.tensor_parallel_size > 1 and self.lora_enabled:
             problems.append("--enable-lora: not served with --tensor-parallel-size > 1")
+        if self.tensor_parallel_size > 1 and self.quantization == "fp8":
+            problems.append("--quantization fp8: not served with --tensor-parallel-size > 1")
         if self.nnodes > 1 and not self.dist_init_addr:
             problems.append("--dist-init-addr is required with --nnodes above 1")
         if self.dist_init_addr is not None:

@@ -262,10 +262,17 @@ class Decoder(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        cos_sins = {r: table.lookup(positions) for r, table in self.ropes.items()}
+        # A fused-op provider may hand RoPE something else than gathered rows (`cuda_ops`).
+        lookup = getattr(self.cpu_kernels, "rope_lookup", None)
+        cos_sins = {
+            r: lookup(table, positions) if lookup else table.lookup(positions)
+            for r, table in self.ropes.items()
+        }
         residual: torch.Tensor | None = None
-        if self.deterministic and self.cpu_kernels is not None:
-            residual = torch.zeros_like(hidden)  # residual + x == x exactly
+        if self.cpu_kernels is not None and (self.deterministic or lookup is not None):
+            # residual + x == x exactly: layer 0's first norm is the fused add+norm too (one
+            # kernel and a fill on CUDA where torch's RMSNorm launches eight)
+            residual = torch.zeros_like(hidden)
         last = len(self.layers) - 1
         # Only the sampled rows' last-layer output reaches the LM head: the rest of a prompt
         # chunk stops after the last attention (its K/V are all later steps need). That skips

@@ -36,6 +36,18 @@ def llama_names(i: int) -> Iterator[tuple[str, list[str]]]:
     yield "k_norm.weight", [f"{att}k_norm.weight"]
 
 
+def layer_weight_sources(num_layers: int, names: NameMap) -> dict[str, list[str]]:
+    """Projection name (``layers.3.qkv_proj``) -> the checkpoint weights fused into it, in
+    order (the quantized linear methods find a projection's stored tensors by it)."""
+    sources: dict[str, list[str]] = {}
+    for i in range(num_layers):
+        for local, tensors in names(i):
+            module, _, kind = local.rpartition(".")
+            if kind == "weight":
+                sources[f"layers.{i}.{module}"] = tensors
+    return sources
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family. ``own`` maps a config dict to the fields `parse_common` does not

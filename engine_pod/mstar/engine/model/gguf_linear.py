@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mstar.engine.model.config import ModelConfig
-from mstar.engine.model.family import NameMap
+from mstar.engine.model.family import NameMap, layer_weight_sources
 from mstar.engine.model.gguf_quant import StoredTensor, read_stored
 from mstar.engine.model.layers import PROJECTIONS
 from mstar.engine.model.linear import LinearSpec, ShapeMismatch, copy_rows
@@ -95,12 +95,7 @@ class GGUFWeights:
     def __init__(self, path: str | Path, cfg: ModelConfig, names: NameMap) -> None:
         self.stored: dict[str, StoredTensor] = {t.name: t for t in read_stored(path)}
         #: projection name (``layers.3.qkv_proj``) -> the checkpoint weights fused into it
-        self.sources: dict[str, list[str]] = {}
-        for i in range(cfg.num_layers):
-            for local, tensors in names(i):
-                module, _, kind = local.rpartition(".")
-                if kind == "weight":
-                    self.sources[f"layers.{i}.{module}"] = tensors
+        self.sources = layer_weight_sources(cfg.num_layers, names)
         # A tied head multiplies the embedding's blocks as stored, as llama.cpp does with a
         # file that has no output tensor (the lookup then reads the same blocks:
         # `share_tied_embedding`): a Q8_0 head reads 0.53x of bf16's bytes, a third of

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from mstar.engine.config import QUANTIZATIONS
 from mstar.engine.model.config import ModelConfig, ModelLoadError
 from mstar.engine.model.decoder import Decoder, fused_decode_refusal
+from mstar.engine.model.fp8 import fp8_method
 from mstar.engine.model.gguf_convert import gguf_folder
 from mstar.engine.model.gguf_linear import (
     GGUFLinearMethod,
@@ -238,8 +239,9 @@ def load_model(
 
     ``deterministic`` (CPU): batch-invariant GEMMs and norms (`DenseLinearMethod`, `Decoder`).
     ``quantization`` (`QUANTIZATIONS`): "auto" keeps a GGUF file's quantized projections in
-    their blocks (`GGUFLinearMethod`, CPU, float32 or bf16) where `_gguf_method` allows it;
-    "none" serves the dequantized conversion.
+    their blocks (`GGUFLinearMethod`, CPU, float32 or bf16) where `_gguf_method` allows it,
+    and an FP8 checkpoint's e4m3 weights (`fp8.Fp8LinearMethod`); "none" serves the
+    dequantized conversion; "fp8" quantizes float projections to e4m3 at load.
     ``tp``: build this rank's shard of a tensor-parallel model (`mstar.engine.model.tp`); the
     config returned is the whole model's, the decoder's (``decoder.config``) this rank's.
 
@@ -273,7 +275,8 @@ def load_model(
     quant = None
     if gguf_file is not None and quantization == "auto":
         quant = _gguf_method(gguf_file, cfg, torch_dtype, dev, kernels, deterministic, shard)
-    picker = _sharded(shard, _picker(quant, DenseLinearMethod()))
+    fp8 = fp8_method(folder, _weight_files(folder), cfg, quantization, sharded=shard is not None)
+    picker = fp8.picker() if fp8 else _sharded(shard, _picker(quant, DenseLinearMethod()))
     decoder = build_decoder(cfg, folder, torch_dtype, dev, max_positions, picker, shard)
     held, active = decoder.parameter_counts
     log.info("%s: %d parameters held, %d active per token", cfg.family, held, active)
@@ -290,9 +293,8 @@ def load_model(
         specs = decoder.linears.specs.values()
         kept = sorted(s.name for s in specs if quant.weights.takes(s))
         log.info("GGUF: %d of %d projections served quantized as stored", len(kept), len(specs))
-    decoder.finalize_linears(
-        _sharded(shard, _picker(quant, method)), fused=kernels is not None and refusal is None
-    )
+    final = fp8.with_dense(method).picker() if fp8 else _sharded(shard, _picker(quant, method))
+    decoder.finalize_linears(final, fused=kernels is not None and refusal is None)
     if quant is not None:
         quant.weights.release()
         if cfg.tie_word_embeddings and share_tied_embedding(decoder):

@@ -108,6 +108,14 @@ class RotaryEmbedding:
         # Keep only the half tables: rotate_half's cos/sin are the same half repeated twice.
         self.cos = half_cos.to(dtype=dtype, device=device)
         self.sin = half_sin.to(dtype=dtype, device=device)
+        self._cos_sin: torch.Tensor | None = None
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        """float32 ``[max_positions, head_dim]``, cos half then sin half: the tables' values
+        widened (made once), as FlashInfer's fused RoPE reads them (`cuda_ops`)."""
+        if self._cos_sin is None:
+            self._cos_sin = torch.cat([self.cos, self.sin], dim=-1).float().contiguous()
+        return self._cos_sin
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D/2]`` at ``positions`` [T]: gathered once per step for all layers."""

@@ -31,6 +31,13 @@ from mstar.engine.resources.kv.plan import KVPlan
 from mstar.engine.resources.static_buffers import GrowOnlyBuffers
 from mstar.engine.resources.step import ResourceStep, SlotLease, StepContext
 from mstar.kernels import FlashInferPagedAttention, TorchPagedAttention, write_kv
+from mstar.kernels.flashinfer_kv_write import (
+    AppendLayout,
+    KVAppend,
+    flashinfer_kv_append,
+    stage_append_layout,
+    static_append_size,
+)
 from mstar.kernels.paged_attention import KernelDecodeStep
 from mstar.kernels.paged_layout import KernelDecodeLayers
 
@@ -82,7 +89,16 @@ class PagedAttentionContext:
     ``decodes`` hold one entry per KV group; ``layer_group`` maps a layer to its group.
     """
 
-    __slots__ = ("backends", "cache", "decodes", "layer_group", "windows", "write_slots")
+    __slots__ = (
+        "appends",
+        "backends",
+        "cache",
+        "decodes",
+        "kv_append",
+        "layer_group",
+        "windows",
+        "write_slots",
+    )
 
     def __init__(
         self,
@@ -91,7 +107,11 @@ class PagedAttentionContext:
         write_slots: Sequence[torch.Tensor],
         windows: tuple[int, ...] = (),
         layer_group: tuple[int, ...] = (),
+        kv_append: KVAppend | None = None,
+        appends: Sequence[AppendLayout] = (),
     ) -> None:
+        """``kv_append`` / ``appends``: each layer's KV write as ``append_paged_kv_cache``
+        over its group's layout, planned once for the step (else the write by slots)."""
         self.cache = cache
         self.backends = tuple(backends)
         self.write_slots = tuple(write_slots)
@@ -99,9 +119,13 @@ class PagedAttentionContext:
         self.windows = windows
         #: per layer, its KV group; empty: one group
         self.layer_group = layer_group
+        self.kv_append = kv_append if appends else None
+        self.appends = tuple(appends)
         dtype = cache.tensor.dtype
         self.decodes: tuple[KernelDecodeStep | None, ...] = tuple(
-            b.decode_step(s, dtype) if isinstance(b, TorchPagedAttention) else None
+            b.decode_step(s, dtype)
+            if isinstance(b, TorchPagedAttention) and self.kv_append is None
+            else None
             for b, s in zip(self.backends, self.write_slots, strict=True)
         )
 
@@ -134,7 +158,10 @@ class PagedAttentionContext:
         decode = self.decodes[g]
         if decode is not None and decode.fits(q, k, v, kv_layer):
             return decode(q, k, v, kv_layer, window, sinks)
-        write_kv(kv_layer, k, v, self.write_slots[g])
+        if self.kv_append is not None:
+            self.kv_append(kv_layer, k, v, self.appends[g])
+        else:
+            write_kv(kv_layer, k, v, self.write_slots[g])
         backend = self.backends[g]
         if sinks is None:  # backends without sinks take the arguments they always did
             out: torch.Tensor = backend.run(q, kv_layer, window)
@@ -159,10 +186,17 @@ class AttentionResource(Resource):
         sm_scale: float | None = None,
         layer_windows: Sequence[int] = (),
         group_backends: Sequence[Any] = (),
+        kv_append: KVAppend | None = None,
     ) -> None:
         """``sm_scale``: the softmax scale (default ``head_dim ** -0.5``); ``layer_windows``:
         per layer, the keys a query sees (0: all; empty: every layer full);
-        ``group_backends``: a backend per KV group after main (the cache's `KVGroups`)."""
+        ``group_backends``: a backend per KV group after main (the cache's `KVGroups`);
+        ``kv_append``: the KV write as ``append_paged_kv_cache`` (default: FlashInfer's with
+        the FlashInfer backend, else the write by slots)."""
+        if kv_append is None and isinstance(backend, FlashInferPagedAttention):
+            kv_append = flashinfer_kv_append()
+        #: the step's KV write, one kernel per layer over arrays staged once (`plan`)
+        self.kv_append = kv_append
         self.cache = cache
         self.sm_scale = sm_scale
         self.windows = tuple(layer_windows) if any(layer_windows) else ()
@@ -202,6 +236,9 @@ class AttentionResource(Resource):
             bufs = self._slot_buffers.setdefault(spec.slot, GrowOnlyBuffers(self.cache.device))
             for g in range(len(self.backends)):
                 bufs.ensure(_slots_name(g), max_bs, torch.int64)
+                if self.kv_append is not None:
+                    size = static_append_size(max_bs, max_bs * pages_per_row)
+                    bufs.ensure(_append_name(g), size, torch.int32)
             if spec not in self._graph_backends and spec.bucket is not None:
                 bs = spec.bucket.bs
                 self._graph_backends[spec] = tuple(
@@ -217,9 +254,19 @@ class AttentionResource(Resource):
         for g, (backend, p) in enumerate(zip(self.backends, plans, strict=True)):
             self._plan(backend, g, p.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len)
         slots = [p.write_slots for p in plans]
+        appends = []
+        if self.kv_append is not None:
+            ps, dev = self.cache.page_size, self.cache.device
+            appends = [
+                stage_append_layout(
+                    p.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len, ps, dev
+                )
+                for p in plans
+            ]
         return PagedAttentionContext(
-            self.cache, self.backends, slots, self.windows, self.layer_group
-        )
+            self.cache, self.backends, slots, self.windows, self.layer_group,
+            self.kv_append, appends,
+        )  # fmt: skip
 
     def _plan_graph(self, kv: KVPlan, lease: SlotLease) -> PagedAttentionContext:
         assert lease.bucket is not None and self.sink_page is not None
@@ -228,7 +275,7 @@ class AttentionResource(Resource):
             raise RuntimeError(f"no CUDA-graph buffers were built for {lease}")
         bs = lease.bucket.bs
         bufs = self._slot_buffers[lease.slot]
-        write_slots = []
+        write_slots, appends = [], []
         for g, (backend, p) in enumerate(zip(backends, (kv, *kv.groups), strict=True)):
             lay = pad_decode_layout(p, bs, self.sink_page)
             self._plan(
@@ -237,9 +284,19 @@ class AttentionResource(Resource):
             slots = bufs.get(_slots_name(g), bs)
             slots.copy_(lay.write_slots, non_blocking=True)
             write_slots.append(slots)
+            if self.kv_append is not None:
+                # this bucket's views of the slot's buffer: fixed offsets, fixed addresses
+                static = bufs.get(_append_name(g), bufs.size(_append_name(g)))
+                appends.append(
+                    stage_append_layout(
+                        lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len,
+                        self.cache.page_size, self.cache.device, static,
+                    )
+                )  # fmt: skip
         return PagedAttentionContext(
-            self.cache, backends, write_slots, self.windows, self.layer_group
-        )
+            self.cache, backends, write_slots, self.windows, self.layer_group,
+            self.kv_append, appends,
+        )  # fmt: skip
 
     def _plan(
         self,
@@ -267,3 +324,7 @@ class AttentionResource(Resource):
 
 def _slots_name(group: int) -> str:
     return f"write_slots{group}" if group else "write_slots"
+
+
+def _append_name(group: int) -> str:
+    return f"kv_append{group}"

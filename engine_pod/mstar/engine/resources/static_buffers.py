@@ -33,6 +33,10 @@ class GrowOnlyBuffers:
         self._tensors[name] = grown
         return grown
 
+    def size(self, name: str) -> int:
+        """The buffer's entries (all of them: a caller that lays its own views out)."""
+        return self._tensors[name].numel()
+
     def get(self, name: str, size: int) -> torch.Tensor:
         """The first ``size`` entries (a smaller bucket's view); pins the buffer."""
         have = self._tensors[name]
