@@ -8,7 +8,7 @@ groups beside a full one, windows shorter than the prompts)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +45,16 @@ def level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A family's tiny random checkpoint (`build_tiny_model`), built once per module."""
+    folders: dict[str, Path] = {}
 
+    def folder(family: str) -> Path:
+        if family not in folders:
+            folders[family] = build_tiny_model(tmp_path_factory.mktemp(family), family)
+        return folders[family]
 
-@pytest.fixture(scope="module")
-def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")
+    return folder
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -71,14 +74,11 @@ def _engine(folder: Path, dtype: str = "bfloat16") -> LLMEngine:
 
 
 @pytest.mark.parametrize("dtype", sorted(FUSED_LEVELS))
-@pytest.mark.parametrize(
-    "model", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gemma3_dir"]
-)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_fused_decode_layers_give_the_layer_by_layer_bits(
-    level: str, model: str, dtype: str, request: pytest.FixtureRequest
+    level: str, family: str, dtype: str, tiny_model: Callable[[str], Path]
 ) -> None:
-    folder: Path = request.getfixturevalue(model)
-    engine = _engine(folder, dtype)
+    engine = _engine(tiny_model(family), dtype)
     decoder = engine.model_runner.decoder
     assert decoder.cpu_kernels is not None and decoder.cpu_kernels.isa_level() == level
     fused_rows = compare_fused_steps(decoder)

@@ -105,10 +105,11 @@ def test_add_rms_norm_bf16_rounds_where_the_torch_path_rounds(kernels, rows, hid
 
 
 def test_add_rms_norm_refuses_what_it_cannot_do(kernels):
+    """A weight in x's dtype, or float32 on bf16 x (Gemma's 1 + w: test_kernels_norms.py)."""
     x = torch.randn(4, 32)
-    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
-        kernels.add_rms_norm_(x.bfloat16(), x.bfloat16(), torch.ones(32), 1e-6)
-    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+    with pytest.raises(RuntimeError, match="weight in x's dtype, or float32 on bfloat16 x"):
+        kernels.add_rms_norm_(x, x.clone(), torch.ones(32).bfloat16(), 1e-6)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
         kernels.add_rms_norm_(x.double(), x.double(), torch.ones(32).double(), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.add_rms_norm_(x.t(), x.t(), torch.ones(4), 1e-6)

@@ -128,9 +128,10 @@ void rms_norm_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_
   });
 }
 
-// gelu_tanh(gate) * up for rows of [gate | up]: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))),
-// tanh(y) = 1 - 2 / (1 + e^2y) with `vexp` (within float32 rounding of torch's), rounded to T
-// before the product as F.gelu(gate, approximate="tanh").mul_(up) rounds.
+// gelu_tanh(gate) * up for rows of [gate | up]: 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g +
+// 0.044715 g^3), computed as g / (1 + e^-2y) (the same value, without 1 + tanh's cancellation
+// where g is very negative) with `vexp`, rounded to T before the product as
+// F.gelu(gate, approximate="tanh").mul_(up) rounds.
 template <typename T>
 void gelu_tanh_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
   constexpr float kA = 0.7978845608028654f, kB = 0.044715f;
@@ -142,13 +143,13 @@ void gelu_tanh_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
       T* dst = o + t * inter;
       for (int64_t i = 0; i < vec_end; i += W) {
         const vf g = load(gate + i);
-        const vf th = 1.f - 2.f / (1.f + vexp(2.f * (kA * (g + kB * g * g * g))));
-        store(dst + i, narrow<T>(0.5f * g * (1.f + th)) * load(up + i));
+        const vf y = kA * (g + kB * g * g * g);
+        store(dst + i, narrow<T>(g / (1.f + vexp(-2.f * y))) * load(up + i));
       }
       for (int64_t i = vec_end; i < inter; ++i) {
         const float g = gate[i];
-        const float th = std::tanh(kA * (g + kB * g * g * g));
-        dst[i] = static_cast<T>(narrow1<T>(0.5f * g * (1.f + th)) * static_cast<float>(up[i]));
+        const float y = kA * (g + kB * g * g * g);
+        dst[i] = static_cast<T>(narrow1<T>(g / (1.f + std::exp(-2.f * y))) * static_cast<float>(up[i]));
       }
     }
   });
