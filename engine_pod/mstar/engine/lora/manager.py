@@ -46,11 +46,11 @@ class LoraManager:
         }
         decoder.lora_rows = self.rows
         if self.rows.kernels is not None and isinstance(decoder.fused_decode, FusedDecodeWeights):
-            self.rows.decode = self._fused_decode(decoder)
+            self.rows.decode = self._fused_decode(decoder, self.rows.kernels)
         self.pool = LoraPool(max_loras, self.read, self.write)
         self.resource = LoraResource(self.pool)
 
-    def _fused_decode(self, decoder: Decoder) -> Any:
+    def _fused_decode(self, decoder: Decoder, kernels: Any) -> Any:
         """A ``LoraDecode`` over every layer's `PROJECTIONS` (the order `decode_layers` runs
         them), each part's slice tensors held as they are (a slot load writes them in place)."""
         a, b, ranks, scales, offsets, parts = [], [], [], [], [], []
@@ -65,7 +65,7 @@ class LoraManager:
                     ranks.append(s.ranks)
                     scales.append(s.scales)
                     offsets.append(s.offset)
-        return self.rows.kernels.LoraDecode(a, b, ranks, scales, offsets, parts)
+        return kernels.LoraDecode(a, b, ranks, scales, offsets, parts)
 
     def read(self, name: str, path: str) -> LoraAdapter:
         return load_adapter(name, path, self.shapes, self.max_rank)

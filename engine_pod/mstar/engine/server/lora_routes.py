@@ -151,20 +151,16 @@ class LoraCollector(Collector):
             counter = CounterMetricFamily(f"mstar:lora_{name}", doc, labels=["model_name"])
             counter.add_metric(m, value)
             yield counter
-        refusals = CounterMetricFamily(
-            "mstar:lora_refusals", "Rows refused admission for their adapter, by reason.",
-            labels=["model_name", "reason"],
-        )  # fmt: skip
-        for reason, n in sorted(c.refusals.items()):
-            refusals.add_metric([*m, reason], n)
-        yield refusals
-        requests = CounterMetricFamily(
-            "mstar:lora_requests", "Requests that named each LoRA adapter (served ones only).",
-            labels=["model_name", "adapter"],
-        )  # fmt: skip
-        for adapter, n in sorted(c.requests.items()):
-            requests.add_metric([*m, adapter], n)
-        yield requests
+        for name, doc, label, counts in (
+            ("refusals", "Rows refused admission for their adapter, by reason.", "reason",
+             c.refusals),
+            ("requests", "Requests that named each LoRA adapter (served ones only).", "adapter",
+             c.requests),
+        ):  # fmt: skip
+            by = CounterMetricFamily(f"mstar:lora_{name}", doc, labels=["model_name", label])
+            for key, n in sorted(counts.items()):
+                by.add_metric([*m, key], n)
+            yield by
 
 
 def register_lora(app: web.Application) -> None:
