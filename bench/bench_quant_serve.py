@@ -10,9 +10,15 @@ Serving (``--serve``): the same closed-loop client against each server in turn (
 Q4_1 file, mstar on today's default bf16 folder, llama-server on the Q4_1 file): at each
 concurrency, that many workers post completions (a fixed 143-word prompt, ``--max-tokens``
 tokens, ignore_eos) until ``--requests`` have been answered; output tok/s = tokens / wall time,
-best of ``--repeat``. llama-server (build 11434) gets a slot per worker.
+best of ``--repeat``. llama-server (build 11434) gets a slot per worker, the same thread count.
 
-    flock /tmp/mstar-heavy.lock python bench/bench_quant_serve.py [--serve] [--repeat 3]
+Offline batches (``--offline``): mstar's engine in-process on the Q4_1 file (bf16
+activations), ``generate`` of ``--batches`` copies of the prompt at once, against llama-server
+answering the same batch as one wave of that many concurrent requests (its offline batch: a slot
+each); output tok/s, best of ``--repeat``.
+
+    flock /tmp/mstar-heavy.lock nice -n -15 python bench/bench_quant_serve.py --serve
+    flock /tmp/mstar-heavy.lock nice -n -15 python bench/bench_quant_serve.py --no-rss --offline
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ from mstar.engine.model.gguf_convert import find_packaged_gguf
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_all import llama_cpp_bin, machine, tree_status_bytes, wait_ready  # noqa: E402  (bench/ is a folder of scripts, not a package)
+from bench_all import (  # noqa: E402  (bench/ is a folder of scripts, not a package)
+    llama_cpp_bin,
+    machine,
+    mstar_engine,
+    tree_status_bytes,
+    wait_ready,
+)
 
 PORT = 8131
 URL = f"http://127.0.0.1:{PORT}"
@@ -100,24 +112,25 @@ def rss_row(kind: str, model: str | None) -> int:
         stop(proc)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", action="store_true", help="also serve against llama-server")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
-    gguf = str(find_packaged_gguf())
-    quant = rss_row("auto", gguf)
-    dense = rss_row("none", None)
-    print(f"{machine()}; load {os.getloadavg()[0]:.2f}\n")
-    print("| served | VmRSS after warmup (MiB) | vs bf16 |\n|---|---:|---:|")
-    print(f"| bf16 (today's default: the converted folder) | {dense / 2**20:.0f} | 1.00 |")
-    print(f"| Q4_1 file as stored (`--quantization auto`) | {quant / 2**20:.0f} "
-          f"| {quant / dense:.2f} |")  # fmt: skip
-    if not args.serve:
-        return
+def offline(gguf: str, batches: list[int], max_tokens: int, repeat: int) -> dict[int, float]:
+    """mstar's offline tok/s on the file, per batch of copies of the prompt, best of repeat."""
+    from mstar.engine.sampling_params import SamplingParams
+
+    engine = mstar_engine(gguf, "bfloat16", max(batches))
+    ids = engine.tokenizer.backend.encode(PROMPT).ids
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate([ids], params)  # warm-up
+    best: dict[int, float] = {}
+    for batch in batches:
+        for _ in range(repeat):
+            start_t = time.perf_counter()
+            outs = engine.generate([ids] * batch, params)
+            rate = sum(len(o) for o in outs) / (time.perf_counter() - start_t)
+            best[batch] = max(best.get(batch, 0.0), rate)
+    return best
+
+
+def serve_cells(gguf: str, args: argparse.Namespace) -> None:
     results: dict[str, dict[int, float]] = {}
     for kind in ("auto", "none", "llama.cpp"):  # none: today's default, the bf16 folder
         proc = start(kind, None if kind == "none" else gguf, max(args.concurrency))
@@ -138,6 +151,53 @@ def main() -> None:
     for c in args.concurrency:
         a, d, b = results["auto"][c], results["none"][c], results["llama.cpp"][c]
         print(f"| {c} | {a:.1f} | {d:.1f} | {b:.1f} | {a / b:.2f}x | {a / d:.2f}x |")
+
+
+def offline_cells(gguf: str, args: argparse.Namespace) -> None:
+    mstar_offline = offline(gguf, args.batches, args.max_tokens, args.repeat)
+    print("mstar offline", mstar_offline, flush=True)
+    proc = start("llama.cpp", gguf, max(args.batches))
+    try:
+        asyncio.run(load(2, 4, 16))  # warmup
+        waves = {
+            b: max(asyncio.run(load(b, b, args.max_tokens)) for _ in range(args.repeat))
+            for b in args.batches
+        }
+        print("llama-server waves", waves, flush=True)
+    finally:
+        stop(proc)
+    print(f"\nload {os.getloadavg()[0]:.2f}\n")
+    print("| batch | mstar offline Q4_1 tok/s | llama-server Q4_1, one wave | ratio |")
+    print("|---:|---:|---:|---:|")
+    for b in args.batches:
+        ours, theirs = mstar_offline[b], waves[b]
+        print(f"| {b} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", action="store_true", help="serving against llama-server")
+    parser.add_argument("--offline", action="store_true", help="offline batches against it")
+    parser.add_argument("--no-rss", action="store_true", help="skip the RSS rows")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    gguf = str(find_packaged_gguf())
+    print(f"{machine()}; load {os.getloadavg()[0]:.2f}\n")
+    if not args.no_rss:
+        quant = rss_row("auto", gguf)
+        dense = rss_row("none", None)
+        print("| served | VmRSS after warmup (MiB) | vs bf16 |\n|---|---:|---:|")
+        print(f"| bf16 (today's default: the converted folder) | {dense / 2**20:.0f} | 1.00 |")
+        print(f"| Q4_1 file as stored (`--quantization auto`) | {quant / 2**20:.0f} "
+              f"| {quant / dense:.2f} |")  # fmt: skip
+    if args.serve:
+        serve_cells(gguf, args)
+    if args.offline:
+        offline_cells(gguf, args)
 
 
 if __name__ == "__main__":
