@@ -47,8 +47,15 @@ TEMPLATE = (
 #: the tiny Gemma 3's sliding window: the tests' prompts run past it
 GEMMA3_WINDOW = 4
 #: the tiny gpt-oss's YaRN: what its file's ``rope.scaling.*`` keys carry
-GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}  # fmt: skip
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 16,
+}
 CORPUS = ["hello world, the quick brown fox 🚀", "jumps over the lazy dog near the café"] * 4
 
 
