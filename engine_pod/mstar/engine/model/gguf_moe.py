@@ -9,7 +9,7 @@ renormalises its top-k (``norm_topk_prob``) and Mixtral has no sliding window; a
 layer without a router is dense (``mlp_only_layers``).
 
 gpt-oss files also carry the router's bias and the experts' biases (``ffn_*_exps.bias``), and
-their experts may be MXFP4 (``gguf.quants`` dequantizes them at read; no such file tried yet).
+their experts may be MXFP4 (``gguf.quants`` dequantizes them at read).
 They become the checkpoint's own layout (`moe._load_gpt_oss`): ``gate_up_proj`` [E, H, 2I]
 with gate and up columns interleaved, ``down_proj`` [E, I, H]. Its config is what llama.cpp
 runs: layers alternate sliding (even) and full, YaRN with the file's factor and betas and no
