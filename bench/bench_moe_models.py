@@ -5,7 +5,7 @@ Random weights from transformers' own config and model classes (bf16), SmolLM2's
 (49,152 tokens: llama.cpp's converter knows its pre-tokenizer), each model written once under
 ``<cache root>/bench/moe/``:
 
-- ``qwen3_moe``: hidden 1,024, 12 layers, 16/4 heads of 64, 32 experts of width 384, top-8,
+- ``qwen3_moe``: hidden 1,024, 16 layers, 16/4 heads of 64, 32 experts of width 384, top-8,
   renormalised (Qwen3-30B-A3B's routing at a size this machine holds);
 - ``mixtral``: the same attention, 8 experts of width 1,536, top-2;
 - ``dense``: Qwen3 with a 3,072-wide MLP: the same active parameters per token as both.
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=12, help="decoder layers of every model")
+    parser.add_argument("--layers", type=int, default=16, help="decoder layers of every model")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument(

@@ -47,8 +47,15 @@ TEMPLATE = (
 #: the tiny Gemma 3's sliding window: the tests' prompts run past it
 GEMMA3_WINDOW = 4
 #: the tiny gpt-oss's YaRN: what its file's ``rope.scaling.*`` keys carry
-GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
-                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}  # fmt: skip
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 16,
+}
 CORPUS = ["hello world, the quick brown fox 🚀", "jumps over the lazy dog near the café"] * 4
 
 
@@ -83,6 +90,7 @@ def write_tiny_gguf(
     seed: int = 0,
     qtypes: dict[str, str] | None = None,
     hidden: int = 32,
+    mxfp4_experts: bool = False,
 ):
     """A tiny random model as transformers module + the same weights in a GGUF file;
     ``qtypes``: GGUF tensor name suffix (``attn_q.weight``, ``output.weight``) -> the ggml
@@ -90,8 +98,11 @@ def write_tiny_gguf(
     ``hidden / 4`` (64: the C++ decode kernels' smallest head dim, 16). MoE families
     ("qwen3moe", "mixtral": a ``llama`` file with experts; "gpt-oss") as llama.cpp's converter
     writes them: routers ``ffn_gate_inp``, experts stacked in ``ffn_{gate,up,down}_exps``
-    (gpt-oss: with biases, its interleaved gate/up columns split, its sinks ``attn_sinks``)."""
-    qtypes = qtypes or {}
+    (gpt-oss: with biases, its interleaved gate/up columns split, its sinks ``attn_sinks``;
+    ``mxfp4_experts``: its experts rounded to MXFP4 in the module and stored as MXFP4)."""
+    qtypes = dict(qtypes or {})
+    if mxfp4_experts:
+        qtypes.update({f"ffn_{p}_exps.weight": "MXFP4" for p in ("gate", "up", "down")})
 
     def add(name: str, arr: np.ndarray) -> None:
         qtype = next(
@@ -166,6 +177,8 @@ def write_tiny_gguf(
             )
         )  # fmt: skip
         randomize_(model, seed)
+        if mxfp4_experts:
+            _round_experts_to_mxfp4(model)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
         randomize_qkv_bias_(model)
@@ -285,6 +298,34 @@ def _add_gpt_oss(add: Any, blk: str, kind: str, arr: np.ndarray) -> None:
         add(f"{blk}.ffn_down_exps.weight", np.ascontiguousarray(arr.transpose(0, 2, 1)))
     else:
         add(f"{blk}.ffn_down_exps.bias", arr)
+
+
+def _round_experts_to_mxfp4(model: torch.nn.Module) -> None:
+    """gpt-oss's expert weights [E, in, out] rounded to MXFP4 in blocks of 32 inputs, as the
+    file stores them, so the file holds the module's weights exactly."""
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                rows = p.transpose(1, 2).contiguous().numpy()  # [E, out, in]
+                back = gguf.quants.dequantize(gguf.quants.quantize(rows, mxfp4), mxfp4)
+                p.copy_(torch.from_numpy(back.reshape(rows.shape)).transpose(1, 2))
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path, monkeypatch):
+    """A gpt-oss file whose experts are MXFP4 (as llama.cpp's converter stores a checkpoint's
+    MXFP4 experts) dequantizes them at read: logits equal the module's with those weights."""
+    hf, _ = write_tiny_gguf(tmp_path / "tiny.gguf", "gpt-oss", mxfp4_experts=True)
+    kinds = {t.name.split(".")[2]: t.tensor_type for t in gguf.GGUFReader(tmp_path / "tiny.gguf")
+             .tensors if "_exps.weight" in t.name}  # fmt: skip
+    assert set(kinds.values()) == {gguf.GGMLQuantizationType.MXFP4}, kinds
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    decoder, cfg, _ = load_model(tmp_path / "tiny.gguf", "float32")
+    ids = list(range(3, 23))  # past the window (4)
+    ours = PagedPool(cfg, num_pages=8, page_size=4).step(decoder, [(0, ids)], all_logits=True)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt-oss"]

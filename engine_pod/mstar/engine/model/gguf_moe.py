@@ -9,11 +9,11 @@ renormalises its top-k (``norm_topk_prob``) and Mixtral has no sliding window; a
 layer without a router is dense (``mlp_only_layers``).
 
 gpt-oss files also carry the router's bias and the experts' biases (``ffn_*_exps.bias``), and
-their experts may be MXFP4 (``gguf.quants`` dequantizes them at read). They become the
-checkpoint's own layout (`moe._load_gpt_oss`): ``gate_up_proj`` [E, H, 2I] with gate and up
-columns interleaved, ``down_proj`` [E, I, H]. Its config is what llama.cpp runs: layers
-alternate sliding (even) and full, YaRN with the file's factor and betas and no truncation,
-and the clamped SwiGLU's constants (1.702, 7.0), which the file does not store.
+their experts may be MXFP4 (``gguf.quants`` dequantizes them at read).
+They become the checkpoint's own layout (`moe._load_gpt_oss`): ``gate_up_proj`` [E, H, 2I]
+with gate and up columns interleaved, ``down_proj`` [E, I, H]. Its config is what llama.cpp
+runs: layers alternate sliding (even) and full, YaRN with the file's factor and betas and no
+truncation, and the clamped SwiGLU's constants (1.702, 7.0), which the file does not store.
 """
 
 from __future__ import annotations
@@ -111,9 +111,7 @@ def _gpt_oss_config(
         "rope_type": "yarn",
         "rope_theta": theta,
         "factor": float(field(p + "rope.scaling.factor")),
-        "original_max_position_embeddings": int(
-            field(p + "rope.scaling.original_context_length")
-        ),
+        "original_max_position_embeddings": int(field(p + "rope.scaling.original_context_length")),
         "beta_fast": float(field(p + "rope.scaling.yarn_beta_fast") or 32.0),
         "beta_slow": float(field(p + "rope.scaling.yarn_beta_slow") or 1.0),
         "truncate": False,
