@@ -94,6 +94,22 @@ def test_each_adapter_alone_matches_peft(
         assert engine.generate([prompt], _greedy(name))[0] == want, name
 
 
+def test_the_prefix_cache_never_shares_kv_across_adapters(
+    tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
+) -> None:
+    """Each prompt first runs on the base model (its pages enter the prefix cache), then with
+    its adapter: the adapter's output is still peft's (its KV is its own, keyed from its own
+    chain root), and a second run with the same adapter reuses its own pages."""
+    engine = _engine(tiny_llama_dir, adapters)
+    for name, prompt, want in cases[1:]:
+        engine.generate([prompt], _greedy(None))
+        hits = engine.kv.prefix_hits
+        assert engine.generate([prompt], _greedy(name))[0] == want, name
+        assert engine.kv.prefix_hits == hits, name  # nothing reused from the base's chain
+        assert engine.generate([prompt], _greedy(name))[0] == want, name
+        assert engine.kv.prefix_hits > hits or len(prompt) <= 4, name  # its own pages
+
+
 def test_eight_adapters_and_base_in_one_batch(
     tiny_llama_dir: Path, adapters: dict[str, Path], cases: Cases
 ) -> None:

@@ -82,3 +82,20 @@ def test_kernel_refuses_bad_segments() -> None:
         ext.lora_add_(y, x, a, b, ranks, scales, indptr, bad, OFFSET)
     with pytest.raises(RuntimeError, match="outside y"):
         ext.lora_add_(y, x, a, b, ranks, scales, indptr, torch.tensor(SEG_SLOTS), WIDTH - 10)
+
+
+@pytest.mark.parametrize("level", [lv.name for lv in cpu_isa.supported_levels()])
+def test_decode_hook_refuses_weights_that_do_not_add_up(level: str) -> None:
+    """``LoraDecode`` (what `decode_layers` adds after each projection) takes one entry per
+    part and 4 part counts per layer, and says which list is wrong."""
+    kernels = level_kernels(level)
+    _, _, a, b, ranks, scales, _, _ = _case(torch.float32)
+    parts = [a] * 4
+    per_part = (parts, [b] * 4, [ranks] * 4, [scales] * 4, [OFFSET] * 4)
+    kernels.LoraDecode(*per_part, [1, 1, 1, 1])  # one layer, one part per projection
+    with pytest.raises(RuntimeError, match="4 counts per layer"):
+        kernels.LoraDecode(*per_part, [1, 1, 2])
+    with pytest.raises(RuntimeError, match="parts add up to 5, not 4"):
+        kernels.LoraDecode(*per_part, [2, 1, 1, 1])
+    with pytest.raises(RuntimeError, match="one entry per part"):
+        kernels.LoraDecode(parts, [b] * 3, [ranks] * 4, [scales] * 4, [OFFSET] * 4, [1, 1, 1, 1])

@@ -11,6 +11,7 @@ from crd_schema import CRD_PATH, admit, load_crd, version_schema
 from op_harness import CRS, ROOT
 
 from mstar.operator.spec import (
+    API_KEY_SECRET_DEFAULTS,
     AUTOSCALING_DEFAULTS,
     DEFAULTS,
     ENGINE_FIELDS,
@@ -122,6 +123,7 @@ def test_operator_defaults_match_the_crd() -> None:
     operator = dict(DEFAULTS)
     assert crd.pop("autoscaling") == AUTOSCALING_DEFAULTS
     assert crd.pop("router") == ROUTER_DEFAULTS
+    assert crd.pop("apiKeySecret") == API_KEY_SECRET_DEFAULTS
     source = crd.pop("model")["source"]
     hf = source["huggingFace"]
     assert hf.pop("tokenSecret") == TOKEN_SECRET_DEFAULTS

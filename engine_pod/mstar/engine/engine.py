@@ -266,6 +266,8 @@ class LLMEngine:
             if self.lora is None or not self.lora.pool.known(params.lora_name):
                 raise InvalidParameter("model", f"no LoRA adapter {params.lora_name!r}")
             req.overrides[LORA] = params.lora_name
+            salt = self.lora.pool.cache_salt(params.lora_name)
+            req.overrides[KV] = KVRequestConfig(req.token_view, salt)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:

@@ -12,6 +12,7 @@ registers and unregisters adapters; one lock guards the tables.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -60,6 +61,9 @@ class LoraPool:
         self.pins: Counter[str] = Counter()
         self.free = list(range(slots - 1, -1, -1))
         self.counters = PoolCounters()
+        #: each registration's number: a name served again (another folder) is a new chain
+        self._registrations = itertools.count(1)
+        self._registration: dict[str, int] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mstar-lora-load")
 
     # -- registry (server) -----------------------------------------------------------------------
@@ -71,6 +75,7 @@ class LoraPool:
         self._read(name, path)
         with self._lock:
             self.paths[name] = path
+            self._registration[name] = next(self._registrations)
             self.failed.pop(name, None)
 
     def unregister(self, name: str) -> None:
@@ -85,6 +90,11 @@ class LoraPool:
     def names(self) -> list[str]:
         with self._lock:
             return list(self.paths)
+
+    def cache_salt(self, name: str) -> bytes:
+        """The prefix-cache chain root of ``name``'s requests (`KVRequestConfig.cache_salt`):
+        one per registration, so no two adapters, and no adapter and the base, share KV."""
+        return f"lora:{name}:{self._registration[name]}".encode()
 
     def known(self, name: str) -> bool:
         return name in self.paths

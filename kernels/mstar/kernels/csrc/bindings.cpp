@@ -596,7 +596,8 @@ void define(pybind11::module_& m) {
   MSTAR_DEF(lora_add_);
 #undef MSTAR_DEF
   using Tensors = std::vector<at::Tensor>;
-  py::class_<LoraDecode>(m, "LoraDecode")
+  // module_local: every level's library registers it (a process may load several levels)
+  py::class_<LoraDecode>(m, "LoraDecode", py::module_local())
       .def(py::init<Tensors, Tensors, Tensors, Tensors, std::vector<int64_t>,
                     std::vector<int64_t>>())
       .def("begin", &LoraDecode::begin)

@@ -80,6 +80,10 @@ class KVRequestConfig:
     """
 
     token_ids: Sequence[int]
+    #: the root of the request's prefix-cache chain: requests whose KV differs for the same
+    #: tokens (a LoRA adapter's) key their pages from their own root, so they never share
+    #: pages with the base model's or another adapter's (b"": the base model's chain)
+    cache_salt: bytes = b""
 
 
 @dataclass

@@ -92,6 +92,8 @@ class KVCacheResource(GroupedStreams, PrefixSharing, HostOffload, Resource):
             )
         self._streams: dict[str, dict[str, Stream]] = {}
         self._tokens: dict[str, Sequence[int]] = {}
+        #: each request's prefix-chain root where it is not the base model's (`cache_salt`)
+        self._roots: dict[str, bytes] = {}
         self._lock = threading.RLock()
         self._debug = debug_asserts_enabled()
         self._copies = CopyLedger()
@@ -193,12 +195,15 @@ class KVCacheResource(GroupedStreams, PrefixSharing, HostOffload, Resource):
             self._streams.setdefault(request_id, self._new_streams())
             if overrides is not None:
                 self._tokens[request_id] = overrides.token_ids
+                if overrides.cache_salt:
+                    self._roots[request_id] = overrides.cache_salt
 
     def remove_request(self, request_id: str) -> None:
         """Free the request's device and host pages (those a copy is moving: once it lands)."""
         with self._lock:
             per = self._streams.pop(request_id, None)
             self._tokens.pop(request_id, None)
+            self._roots.pop(request_id, None)
             if per is not None:
                 self._drop_streams(request_id, per)
             self._check()

@@ -34,6 +34,7 @@ class PrefixSharing:
     _linked: tuple[tuple[str, int], ...]
     _streams: dict[str, dict[str, Stream]]
     _tokens: dict[str, Sequence[int]]
+    _roots: dict[str, bytes]
     _lock: threading.RLock
     _check: Callable[[], None]
 
@@ -57,7 +58,7 @@ class PrefixSharing:
                 # the request's tokens the cache holds; counted once, never re-matched.
                 return stream.stored_len
             self.prefix_queries += len(token_ids)
-            pages, keys = self._lookup_prefix(token_ids)
+            pages, keys = self._lookup_prefix(token_ids, self._roots.get(request_id, ROOT_KEY))
             fit, linked = self._fit_groups(keys)
             pages, keys = pages[:fit], keys[:fit]
             self.arena.retain(pages)
@@ -108,14 +109,17 @@ class PrefixSharing:
             out.append((label, live, [p for p in found[label][live:fit] if p is not None]))
         return fit, out
 
-    def _lookup_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Indexed pages (and their keys) of the longest whole-page prefix, at most len - 1."""
+    def _lookup_prefix(
+        self, token_ids: Sequence[int], root: bytes = ROOT_KEY
+    ) -> tuple[list[int], list[bytes]]:
+        """Indexed pages (and their keys) of the longest whole-page prefix, at most len - 1,
+        on the chain from ``root`` (a request's `KVRequestConfig.cache_salt`)."""
         pages: list[int] = []
         keys: list[bytes] = []
         if self.prefix is None:
             return pages, keys
         ps = self.page_size
-        parent = ROOT_KEY
+        parent = root
         for i in range(max(len(token_ids) - 1, 0) // ps):
             key = chain_key(parent, token_ids[i * ps : (i + 1) * ps])
             page = self.prefix.get(key)
@@ -142,10 +146,9 @@ class PrefixSharing:
         parent: bytes | None = keys[-1] if keys else None
         per = self._streams[rid]
         others = [(label, per[label].pages) for label, _ in self._linked if label in per]
+        root = self._roots.get(rid, ROOT_KEY)
         for i in range(len(keys), full):
-            key = chain_key(
-                parent if parent is not None else ROOT_KEY, tokens[i * ps : (i + 1) * ps]
-            )
+            key = chain_key(parent if parent is not None else root, tokens[i * ps : (i + 1) * ps])
             prefix.insert(key, stream.pages[i], parent)
             for label, pages in others:  # still held: commit indexes before a group slides
                 if i < len(pages) and pages[i] != HOLE:
