@@ -53,11 +53,13 @@ struct WeightTile {
   const float* s;
   const float* m;
 };
-// A type's batched kernels at one level: unpack (weight row, blocks, its column of a tile's q,
-// s, m, cols) each row once, then kernels[rows - 1] (tile, groups, activation rows, their xsum,
+// A type's batched kernels at one level: unpack (weight row, blocks, its row of the tile's
+// row-major bytes [cols][K], its column of the tile's s, m, cols) each row once, pack (those
+// bytes, K, the tile's q), then kernels[rows - 1] (tile, groups, activation rows, their xsum,
 // res [rows][cols]) over `cols` weight rows and up to `rows` activation rows.
 struct TileFns {
   void (*unpack)(const uint8_t*, int64_t, uint8_t*, float*, float*, int64_t) = nullptr;
+  void (*pack)(const uint8_t*, int64_t, uint8_t*) = nullptr;
   void (*kernels[kMaxTileRows])(const WeightTile&, int64_t, const QuantAct*, const int32_t*,
                                 float*) = {};
   int cols = 0, rows = 0;
@@ -254,20 +256,21 @@ void tile_parts(const std::vector<Run>& runs, int64_t k, const int8_t* q, const 
     for (int64_t col = runs[p].col0; col < runs[p].end; col += cols)
       tiles.push_back({p, col, static_cast<int>(std::min<int64_t>(cols, runs[p].end - col))});
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> tq(cols * k);
+    std::vector<uint8_t> u(cols * k), tq(cols * k);
     std::vector<float> ts(cols * (k / 16)), tm(cols * groups), res(rows * cols);
     for (int64_t ti = t0; ti < t1; ++ti) {
       const Tile& tile = tiles[ti];
       const Run& run = runs[tile.run];
       const TileFns& f = fns[tile.run];
       if (tile.n < cols) {  // the rows past the weight dot to zero
-        std::fill(tq.begin(), tq.end(), 0);
+        std::fill(u.begin(), u.end(), 0);
         std::fill(ts.begin(), ts.end(), 0.0f);
         std::fill(tm.begin(), tm.end(), 0.0f);
       }
       for (int w = 0; w < tile.n; ++w)
-        f.unpack(run.w + (tile.col + w - run.col0) * run.row_bytes, run.blocks, tq.data() + 4 * w,
+        f.unpack(run.w + (tile.col + w - run.col0) * run.row_bytes, run.blocks, u.data() + w * k,
                  ts.data() + w, tm.data() + w, cols);
+      f.pack(u.data(), k, tq.data());
       const WeightTile wt{tq.data(), ts.data(), tm.data()};
       for (int64_t r0 = 0; r0 < m; r0 += rows) {
         const int nr = static_cast<int>(std::min<int64_t>(rows, m - r0));

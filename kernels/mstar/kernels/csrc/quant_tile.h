@@ -47,8 +47,9 @@ inline TileFloat t_fma(TileFloat a, TileFloat b, TileFloat c) { return _mm256_fm
 inline void t_store(float* p, TileFloat v) { _mm256_storeu_ps(p, v); }
 #endif
 
-// A weight row's blocks -> its column w of a tile (`WeightTile`'s layout, at u, s, m offset by
-// w; `cols` apart): signed where the type's offset is a constant times its scale (Q8_0; Q4_0,
+// A weight row's blocks -> u [K] (its unpacked bytes, row-major: `pack_tile` interleaves a
+// tile's rows after) and its column of the tile's s and m (offset by the row, `cols` apart):
+// signed where the type's offset is a constant times its scale (Q8_0; Q4_0,
 // Q5_0, Q6_K with it subtracted, as dequantization does; + 128 on AVX-512), else unsigned with
 // the group's offset m (Q4_1, Q5_1, Q4_K, Q5_K).
 template <class Ty>
@@ -64,10 +65,7 @@ struct UnpackSink {
 #if MSTAR_QUANT_VNNI
     if constexpr (kSignedQ) q = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
-    alignas(32) int32_t v[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(v), q);
-    uint8_t* dst = u + g * 8 * cols * 4;
-    for (int c = 0; c < 8; ++c) std::memcpy(dst + c * cols * 4, &v[c], 4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + g * kGroup), q);
     s[2 * g * cols] = s0;
     s[(2 * g + 1) * cols] = s1;
   }
@@ -87,6 +85,39 @@ template <class Ty>
 void unpack_row(const uint8_t* w, int64_t blocks, uint8_t* u, float* s, float* m, int64_t cols) {
   UnpackSink<Ty> sink{u, s, m, cols};
   for (int64_t b = 0; b < blocks; ++b) Ty::visit(w + b * Ty::kBytes, b * Ty::kGroups, sink, sink);
+}
+
+// 8 rows of 8 dwords (a group's bytes of 8 weight rows, at rows[r]) -> 8 vectors of one dword
+// per row, stored at out + c * stride (bytes): the 8 x 8 transpose of unpack / unpack / 128-bit
+// permute steps.
+inline void transpose8(const uint8_t* const* rows, uint8_t* out, int64_t stride) {
+  __m256i a[8], t[8], u[8];
+  for (int r = 0; r < 8; ++r) a[r] = load32(rows[r]);
+  for (int r = 0; r < 8; r += 2) {
+    t[r] = _mm256_unpacklo_epi32(a[r], a[r + 1]);  // c0 c1 | c4 c5 of rows r, r + 1
+    t[r + 1] = _mm256_unpackhi_epi32(a[r], a[r + 1]);  // c2 c3 | c6 c7
+  }
+  for (int h = 0; h < 2; ++h)  // rows 4h .. 4h + 3
+    for (int j = 0; j < 2; ++j) {
+      u[4 * h + 2 * j] = _mm256_unpacklo_epi64(t[4 * h + j], t[4 * h + 2 + j]);  // c 2j | 2j + 4
+      u[4 * h + 2 * j + 1] = _mm256_unpackhi_epi64(t[4 * h + j], t[4 * h + 2 + j]);  // 2j+1 | 2j+5
+    }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * stride),
+                        _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (c + 4) * stride),
+                        _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
+  }
+}
+
+// kTileCols row-major unpacked rows (u [kTileCols][K]) -> the tile's q [K / 4][kTileCols][4].
+inline void pack_tile(const uint8_t* u, int64_t k, uint8_t* q) {
+  for (int64_t g = 0; g < k / kGroup; ++g)
+    for (int h = 0; h < kTileCols / 8; ++h) {
+      const uint8_t* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = u + (8 * h + r) * k + g * kGroup;
+      transpose8(rows, q + (g * 8 * kTileCols + 8 * h) * 4, kTileCols * 4);
+    }
 }
 
 inline int32_t dword_at(const void* p) {
@@ -152,6 +183,7 @@ struct TileOps {
   static TileFns fns() {
     TileFns f;
     f.unpack = unpack_row<Ty>;
+    f.pack = pack_tile;
     f.cols = kTileCols;
     f.rows = kTileRows;
     [&]<int... I>(std::integer_sequence<int, I...>) {
