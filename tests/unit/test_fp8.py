@@ -288,3 +288,15 @@ def test_quantization_fp8_flag_round_trips_and_refuses_tensor_parallelism() -> N
         EngineConfig(model="m", quantization="fp8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="--quantization must be one of auto, none, fp8"):
         EngineConfig(quantization="int4")
+
+
+def test_a_fused_projection_mixing_fp8_and_float_parts_is_named(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    dst = _broken(folders, tmp_path, FP8_CONFIG)
+    tensors = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.qkv_proj: its tensors mix FP8"):
+        load_model(dst, "float32", "cpu")

@@ -202,7 +202,8 @@ class Fp8Checkpoint:
         return {s: stack.enter_context(safe_open(str(s), framework="pt")) for s in shards}
 
     def stored_fp8(self, spec: LinearSpec) -> bool:
-        """Whether every weight fused into ``spec`` is stored as e4m3."""
+        """Whether the weights fused into ``spec`` are stored as e4m3 (ModelLoadError where
+        only some are: a fused projection has one format)."""
         names = self.sources.get(spec.name, [])
         missing = [n for n in names if n not in self._dtypes and n in self.files]
         if missing:
@@ -210,7 +211,11 @@ class Fp8Checkpoint:
                 handles = self._handles(stack, missing)
                 for n in missing:
                     self._dtypes[n] = handles[self.files[n]].get_slice(n).get_dtype()
-        return bool(names) and all(self._dtypes.get(n) == "F8_E4M3" for n in names)
+        fp8 = [self._dtypes.get(n) == "F8_E4M3" for n in names]
+        if any(fp8) and not all(fp8):
+            stored = {n: self._dtypes.get(n) for n in names}
+            raise ModelLoadError(f"{spec.name}: its tensors mix FP8 and other dtypes: {stored}")
+        return bool(names) and all(fp8)
 
     def scales(self, spec: LinearSpec, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight scale per output row [N], largest static input scale or an empty tensor)."""
@@ -278,7 +283,7 @@ class Fp8LinearMethod:
     def takes(self, spec: LinearSpec) -> bool:
         """Stored FP8 weights; or, quantizing at load, every layer projection (not the head)."""
         if self.source.layout == "quantize":
-            return spec.name in self.checkpoint.sources
+            return spec.name in self.checkpoint.sources and spec.name != "lm_head"
         return self.checkpoint.stored_fp8(spec)
 
     def picker(self) -> MethodPicker:
@@ -355,6 +360,8 @@ def fp8_method(
     dequantize = layout is not None and quantization == "none"
     source = Fp8Source(layout or "quantize", dequantize=dequantize)
     sources = layer_weight_sources(cfg.num_layers, family_named(cfg.family).names)
+    if not cfg.tie_word_embeddings:  # an FP8 head is served as stored (never made at load)
+        sources["lm_head"] = ["lm_head.weight"]
     method = Fp8LinearMethod(source, Fp8Checkpoint(files, sources), DenseLinearMethod())
     log.info("FP8 weights: %s%s", source.layout, ", dequantized at load" if dequantize else "")
     return method
