@@ -37,7 +37,8 @@ class EngineConfig:
     model: str | None = field(
         default=None,
         metadata=_flag(
-            "Hugging Face checkpoint folder or GGUF file; unset serves the packaged SmolLM2."
+            "Hugging Face checkpoint folder or GGUF file; unset serves the packaged SmolLM2 "
+            "Q4_1 GGUF as stored (with --quantization none: dequantized to --dtype)."
         ),
     )
     served_model_name: str | None = field(

@@ -24,7 +24,7 @@ from mstar.engine.lora.manager import LoraManager
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.cuda_ops import attach_fused_glue_ops
 from mstar.engine.model.decoder import Decoder
-from mstar.engine.model.gguf_convert import default_model_path
+from mstar.engine.model.gguf_convert import default_model
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model_runner import ModelRunner
@@ -179,7 +179,7 @@ class LLMEngine:
         backend = resolve_attention_backend(config.attention_backend, device, dtype)
         if config.deterministic:
             deterministic_setup(device, dtype, backend)
-        path = config.model or str(default_model_path())
+        path = default_model(config.model)
         ranks = start_leader(config, device) if config.tensor_parallel_size > 1 else None
         try:
             decoder, model_config, tokenizer = load_model(
