@@ -11,10 +11,11 @@ row sweep that sets `quant_linear.DEQUANT_MIN_ROWS` (and its AVX2 twin), and wit
 ``--decode`` measures whole decode steps instead: per GGUF file (the packaged Q4_1, its
 ``llama-quantize --allow-requantize`` copies, ``--requantize Q8_0 ...``, and with ``--gemma``
 Gemma 3 270M's own Q4_K_M file), mstar's offline batch-1 tg (`bench_all.mstar_batch1`: the
-engine on the ``.gguf``, bf16 activations, the quantized decode) and ``llama-bench -p 0 -n N -t
-<threads>`` back to back, each round both, best of ``--repeat``. ``--cpu-isa x86-64-v3`` runs
-mstar at that level with torch's oneDNN and ATen capped alike, beside llama.cpp's AVX2-only
-build (`bench_all.llama_cpp_bin`; ``peers/setup_llama_cpp.sh`` with MSTAR_LLAMA_CPP_ISA=avx2).
+engine on the ``.gguf``; ``--dtype`` auto is float32 activations for a file served as stored)
+and ``llama-bench -p 0 -n N -t <threads>`` back to back, each round both, best of
+``--repeat``. ``--cpu-isa x86-64-v3`` runs mstar at that level with torch's oneDNN and ATen
+capped alike, beside llama.cpp's AVX2-only build (`bench_all.llama_cpp_bin`;
+``peers/setup_llama_cpp.sh`` with MSTAR_LLAMA_CPP_ISA=avx2).
 
     python bench/bench_quant.py [--repeat 5] [--llama-bench]
     python bench/bench_quant.py --decode [--requantize Q8_0] [--gemma] [--new 128] \
@@ -221,13 +222,13 @@ def llama_tg(path: Path, new: int) -> float:
     return max(max(row["samples_ts"]) for row in json.loads(out))
 
 
-def decode_table(files: list[Path], new: int, repeat: int) -> None:
+def decode_table(files: list[Path], dtype: str, new: int, repeat: int) -> None:
     print(f"\n| file | mstar tg{new} tok/s | llama-bench tg{new} tok/s | mstar / llama.cpp |")
     print("|---|---:|---:|---:|")
     for path in files:
         ours, theirs = 0.0, 0.0
         for _ in range(repeat):  # back to back, each round both
-            ours = max(ours, mstar_batch1(str(path), "bfloat16", new, 1)["tg"])
+            ours = max(ours, mstar_batch1(str(path), dtype, new, 1)["tg"])
             theirs = max(theirs, llama_tg(path, new))
         print(f"| {path.name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |", flush=True)
 
@@ -260,8 +261,8 @@ def default_table(new: int, repeat: int) -> None:
     print("|---|---:|---:|")
     stored, folder = str(find_packaged_gguf()), str(default_model_path())
     for label, flags, model, dtype in (
-        ("Q4_1 file as stored (the default)", [], stored, "auto"),
-        ("Q4_1 file as stored, `--dtype float32`", ["--dtype=float32"], stored, "float32"),
+        ("Q4_1 file as stored (the default: float32 activations)", [], stored, "auto"),
+        ("Q4_1 file as stored, `--dtype bfloat16`", ["--dtype=bfloat16"], stored, "bfloat16"),
         ("`--quantization none` (dequantized, bf16)", ["--quantization=none"], folder, "auto"),
     ):
         start = min(serve_start(flags) for _ in range(repeat))
@@ -291,6 +292,7 @@ def main() -> None:
     parser.add_argument("--gemma", action="store_true", help="Gemma 3 270M's Q4_K_M too (--decode)")
     parser.add_argument("--cpu-isa", metavar="LEVEL", help="mstar's level, torch capped alike")
     parser.add_argument("--default-model", action="store_true", help="serve start and tg")
+    parser.add_argument("--dtype", default="auto", help="mstar's activations (--decode)")
     args = parser.parse_args()
     if args.cpu_isa:
         force_level(args.cpu_isa)
@@ -303,7 +305,7 @@ def main() -> None:
         files += [gemma3_270m_gguf()] if args.gemma else []
         print(f"{machine()}; llama.cpp {llama_cpp_bin()}; threads {torch.get_num_threads()}, "
               f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
-        decode_table(files, args.new, args.repeat)
+        decode_table(files, args.dtype, args.new, args.repeat)
         return
     kernels = cpu_kernels.load()
     assert kernels is not None, "the CPU kernels did not load"
