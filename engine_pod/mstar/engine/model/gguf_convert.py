@@ -80,8 +80,9 @@ def default_cache_root(cache_dir: str | Path | None = None) -> Path:
 
 def default_model(model: str | None = None) -> str:
     """What the engine loads: ``model`` when given, else the packaged SmolLM2 Q4_1 file, served
-    as stored (1.62x the dequantized bf16 folder's batch-1 decode; `default_model_path` is
-    that folder, for ``--quantization none`` and the tests against transformers)."""
+    as stored (1.82x the dequantized bf16 folder's batch-1 decode, bench/README.md;
+    `default_model_path` is that folder, for ``--quantization none`` and the tests against
+    transformers)."""
     return model or str(find_packaged_gguf())
 
 
