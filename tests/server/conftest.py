@@ -41,6 +41,19 @@ def smol() -> Iterator[LiveServer]:
         yield live
 
 
+@pytest.fixture(scope="module")
+def smol_exact() -> Iterator[LiveServer]:
+    """The real SmolLM2 dequantized (``quantization="none"``): greedy text repeats whatever the
+    prefix cache holds. As stored, a step's kernel depends on its rows (a cached prefix turns a
+    40-row prompt step into a 3-row one: 8-bit activations instead of float), so a repeated
+    greedy request may differ after a near tie."""
+    from mstar.engine.engine import LLMEngine
+
+    config = EngineConfig(device="cpu", num_pages=512, page_size=16, quantization="none")
+    with LiveServer(LLMEngine.from_config(config)) as live:
+        yield live
+
+
 @pytest.fixture(scope="session")
 def reference(tiny_chat_dir: Path) -> Any:
     """Offline greedy continuation on a separate engine: prompt ids -> output ids."""

@@ -146,8 +146,8 @@ def _chat(client: openai.OpenAI, name: str, stream: bool, **kw: Any) -> tuple[st
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_json_schema_outputs_validate_streamed_and_not(smol: LiveServer, name: str) -> None:
-    client = _client(smol)
+def test_json_schema_outputs_validate_streamed_and_not(smol_exact: LiveServer, name: str) -> None:
+    client = _client(smol_exact)
     greedy, reason = _chat(client, name, stream=False, temperature=0)
     assert reason == "stop"
     jsonschema.validate(json.loads(greedy), SCHEMAS[name])
@@ -159,8 +159,8 @@ def test_json_schema_outputs_validate_streamed_and_not(smol: LiveServer, name: s
         jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
-def test_completions_json_schema_and_json_object(smol: LiveServer) -> None:
-    client = _client(smol)
+def test_completions_json_schema_and_json_object(smol_exact: LiveServer) -> None:
+    client = _client(smol_exact)
     out = client.completions.create(
         model=MODEL,
         prompt="A person, as JSON: ",
@@ -196,8 +196,8 @@ def test_completions_json_schema_and_json_object(smol: LiveServer) -> None:
     assert isinstance(json.loads(text), dict)
 
 
-def test_forced_tool_calls_validate(smol: LiveServer) -> None:
-    client = _client(smol)
+def test_forced_tool_calls_validate(smol_exact: LiveServer) -> None:
+    client = _client(smol_exact)
     params = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER_TOOLS}
     messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
@@ -240,8 +240,8 @@ def test_forced_tool_calls_validate(smol: LiveServer) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
-def test_parallel_required_calls_and_a_tool_conversation(smol: LiveServer) -> None:
-    client = _client(smol)
+def test_parallel_required_calls_and_a_tool_conversation(smol_exact: LiveServer) -> None:
+    client = _client(smol_exact)
     out = client.chat.completions.create(
         model=MODEL,
         messages=[

@@ -1,5 +1,5 @@
-"""`--dtype auto` takes bf16 where it is the faster dtype on the CPU; explicit dtypes are
-honoured as given."""
+"""`--dtype auto` takes bf16 where it is the faster dtype on the CPU, float32 for a GGUF served as
+stored there; explicit dtypes are honoured as given."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mstar.engine import engine
+from mstar.engine.config import EngineConfig
 from mstar.kernels import cpu_gemm, cpu_isa
 
 
@@ -56,3 +57,22 @@ def test_auto_on_cuda_is_bf16(monkeypatch):
 def test_explicit_dtype_wins(monkeypatch, name):
     monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: True)
     assert engine._pick_dtype(name, torch.device("cpu")) == getattr(torch, name)
+
+
+def test_auto_for_a_gguf_served_as_stored_is_float32_on_cpu(monkeypatch):
+    """Stored blocks read the same bytes whatever the activations: float32 keeps a prompt's
+    logits the dequantized model's. A GGUF the loader dequantizes gets bf16 as before."""
+    monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: True)
+    cpu = torch.device("cpu")
+    for config, stored in (
+        (EngineConfig(), True),  # the packaged default
+        (EngineConfig(quantization="none"), False),
+        (EngineConfig(deterministic=True), False),
+        (EngineConfig(tensor_parallel_size=2), False),
+    ):
+        assert engine._serves_stored(config, "/m/SmolLM2.Q4_1.gguf") is stored
+        want = torch.float32 if stored else torch.bfloat16
+        assert engine._pick_dtype("auto", cpu, stored=stored) == want
+    assert not engine._serves_stored(EngineConfig(), "/m/folder")
+    assert engine._pick_dtype("auto", torch.device("cuda"), stored=True) == torch.bfloat16
+    assert engine._pick_dtype("bfloat16", cpu, stored=True) == torch.bfloat16

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="Serve a model over HTTP (OpenAI routes, /health, /ready, /metrics).",
-        description="Serve MODEL (a Hugging Face checkpoint folder; default: packaged SmolLM2).",
+        description="Serve MODEL (a Hugging Face checkpoint folder or a GGUF file; default: the "
+        "packaged SmolLM2 Q4_1 GGUF, served as stored).",
     )
     add_cli_args(serve)
     serve.add_argument(

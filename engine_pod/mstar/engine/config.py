@@ -38,7 +38,8 @@ class EngineConfig:
     model: str | None = field(
         default=None,
         metadata=_flag(
-            "Hugging Face checkpoint folder or GGUF file; unset serves the packaged SmolLM2."
+            "Hugging Face checkpoint folder or GGUF file; unset serves the packaged SmolLM2 "
+            "Q4_1 GGUF as stored (with --quantization none: dequantized to --dtype)."
         ),
     )
     served_model_name: str | None = field(
@@ -50,7 +51,8 @@ class EngineConfig:
             "Weight and KV dtype. auto: bfloat16 on CUDA, on CPUs with native bf16 math "
             "(AVX512-BF16 or AMX) and on CPUs with FMA where the C++ kernels load (their bf16 "
             "GEMM reads half the bytes per token of float32: the faster choice); float32 "
-            "where the kernels are off. float32 greedy output is token-exact against "
+            "where the kernels are off, and for a GGUF served as stored on CPU (its blocks read "
+            "the same bytes either way). float32 greedy output is token-exact against "
             "transformers.",
             choices=DTYPES,
         ),

