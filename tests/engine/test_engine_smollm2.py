@@ -1,8 +1,9 @@
-"""The real default model (SmolLM2-135M-Instruct). Served as its packaged Q4_1 file stores it by
-default; dequantized (``quantization="none"``, float32) its greedy output equals transformers'
-token for token for 16 mixed prompts, also when a tiny KV pool forces evictions mid-generation.
-Quantized activations cannot be token-exact: the kernels' error against the dequantized weights
-is tested in tests/unit/test_quant_serving.py and test_quant_fused_decode.py."""
+"""The real default model (SmolLM2-135M-Instruct). Served from its dequantized folder by default
+(float32: greedy output equal to transformers' token for token for 16 mixed prompts, also when
+a tiny KV pool forces evictions mid-generation); its packaged Q4_1 file named as ``--model`` is
+served as stored. Quantized activations cannot be token-exact: the kernels' error against the
+dequantized weights is tested in tests/unit/test_quant_serving.py and
+test_quant_fused_decode.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from models import QUESTIONS, hf_greedy
 
 from mstar.engine.config import EngineConfig
 from mstar.engine.engine import LLMEngine
-from mstar.engine.model.gguf_convert import default_model_path
+from mstar.engine.model.gguf_convert import default_model_path, find_packaged_gguf
 from mstar.engine.model.gguf_linear import ConcatQuantLinear, QuantDecodeWeights
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.sampling_params import SamplingParams
@@ -50,8 +51,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 def test_smollm2_greedy_matches_transformers(
     smollm2_dir: Path, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    """The default model with ``--quantization none`` (no ``--model``): the dequantized folder
-    transformers' reference reads, token-exact."""
+    """The default model (no ``--model``): the dequantized folder transformers' reference
+    reads, token-exact."""
     assert any(len(p) > 16 for p in prompts) and any(len(p) < 16 for p in prompts)
     engine = LLMEngine.from_config(
         EngineConfig(quantization="none", dtype="float32", device="cpu", num_pages=512)
@@ -59,10 +60,12 @@ def test_smollm2_greedy_matches_transformers(
     assert engine.generate(prompts, GREEDY) == reference
 
 
-def test_default_serves_the_packaged_file_as_stored(prompts: list[list[int]]) -> None:
-    """No flags: every projection keeps the Q4_1 file's blocks (the tied LM head its Q8_0),
-    decode runs the fused kernel over them, and the model still answers."""
-    engine = LLMEngine.from_config(EngineConfig(device="cpu", num_pages=64))
+def test_the_packaged_file_is_served_as_stored(prompts: list[list[int]]) -> None:
+    """``--model`` naming the packaged file: every projection keeps the Q4_1 file's blocks (the
+    tied LM head its Q8_0), decode runs the fused kernel over them, and the model answers."""
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(find_packaged_gguf()), device="cpu", num_pages=64)
+    )
     decoder = engine.model_runner.decoder
     specs = list(decoder.linears.specs)
     stored = (QuantLinear, ConcatQuantLinear)

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="Serve a model over HTTP (OpenAI routes, /health, /ready, /metrics).",
         description="Serve MODEL (a Hugging Face checkpoint folder or a GGUF file; default: the "
-        "packaged SmolLM2 Q4_1 GGUF, served as stored).",
+        "packaged SmolLM2, its Q4_1 GGUF dequantized).",
     )
     add_cli_args(serve)
     serve.add_argument(

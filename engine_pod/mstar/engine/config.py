@@ -39,7 +39,7 @@ class EngineConfig:
         default=None,
         metadata=_flag(
             "Hugging Face checkpoint folder or GGUF file; unset serves the packaged SmolLM2 "
-            "Q4_1 GGUF as stored (with --quantization none: dequantized to --dtype)."
+            "(its Q4_1 GGUF dequantized to --dtype; name the file to serve it as stored)."
         ),
     )
     served_model_name: str | None = field(

