@@ -18,8 +18,8 @@ capped alike, beside llama.cpp's AVX2-only build (`bench_all.llama_cpp_bin`;
 ``peers/setup_llama_cpp.sh`` with MSTAR_LLAMA_CPP_ISA=avx2).
 
     python bench/bench_quant.py [--repeat 5] [--llama-bench]
-    python bench/bench_quant.py --decode [--requantize Q8_0] [--gemma] [--new 128] \
-        [--cpu-isa x86-64-v3]
+    python bench/bench_quant.py --decode [--requantize Q8_0] [--gemma] [--file X.gguf] \
+        [--new 128] [--cpu-isa x86-64-v3]
     python bench/bench_quant.py --default-model [--repeat 3]
 
 ``--default-model``: `mstar-engine serve` on the packaged Q4_1 file as stored (``--model``
@@ -295,6 +295,7 @@ def main() -> None:
     parser.add_argument("--requantize", nargs="*", default=[], metavar="TYPE")
     parser.add_argument("--new", type=int, default=128, help="decoded tokens (--decode)")
     parser.add_argument("--gemma", action="store_true", help="Gemma 3 270M's Q4_K_M too (--decode)")
+    parser.add_argument("--file", type=Path, action="append", default=[], help="a GGUF (--decode)")
     parser.add_argument("--cpu-isa", metavar="LEVEL", help="mstar's level, torch capped alike")
     parser.add_argument("--default-model", action="store_true", help="serve start and tg")
     parser.add_argument("--dtype", default="auto", help="mstar's activations (--decode)")
@@ -307,7 +308,7 @@ def main() -> None:
         return
     if args.decode:
         files = [find_packaged_gguf()] + [requantized(q) for q in args.requantize]
-        files += [gemma3_270m_gguf()] if args.gemma else []
+        files += ([gemma3_270m_gguf()] if args.gemma else []) + args.file
         print(f"{machine()}; llama.cpp {llama_cpp_bin()}; threads {torch.get_num_threads()}, "
               f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
         decode_table(files, args.dtype, args.new, args.repeat)
