@@ -60,19 +60,27 @@ def test_smollm2_greedy_matches_transformers(
     assert engine.generate(prompts, GREEDY) == reference
 
 
-def test_the_packaged_file_is_served_as_stored(prompts: list[list[int]]) -> None:
+def test_the_packaged_file_is_served_as_stored(
+    prompts: list[list[int]], reference: list[list[int]]
+) -> None:
     """``--model`` naming the packaged file: every projection keeps the Q4_1 file's blocks (the
-    tied LM head its Q8_0), decode runs the fused kernel over them, and the model answers."""
+    tied LM head its Q8_0), decode runs the fused kernel over them, and greedy output stays
+    close to the dequantized model's. Not equal: activations are quantized to 8 bits for the
+    integer dots, which flips near ties (the chat prompt "What is the capital of France?" has
+    its top two first tokens 0.13 apart). Measured: 15 of 16 first tokens equal, 12 of 16
+    prompts agreeing for 10+ tokens."""
     engine = LLMEngine.from_config(
-        EngineConfig(model=str(find_packaged_gguf()), device="cpu", num_pages=64)
+        EngineConfig(model=str(find_packaged_gguf()), device="cpu", num_pages=512)
     )
     decoder = engine.model_runner.decoder
     specs = list(decoder.linears.specs)
     stored = (QuantLinear, ConcatQuantLinear)
     assert specs and all(isinstance(decoder.get_submodule(n), stored) for n in specs)
     assert isinstance(decoder.fused_decode, QuantDecodeWeights)
-    params = SamplingParams(max_tokens=12, temperature=0.0)
-    assert "Paris" in engine.tokenizer.decode(engine.generate(prompts[:1], params)[0])
+    out = engine.generate(prompts, GREEDY)
+    first = sum(o[0] == r[0] for o, r in zip(out, reference, strict=True))
+    agreeing = sum(o[:10] == r[:10] for o, r in zip(out, reference, strict=True))
+    assert first >= 14 and agreeing >= 10, (first, agreeing)
 
 
 def test_smollm2_exact_under_evictions(
