@@ -109,6 +109,7 @@ def test_rbac_is_least_privilege() -> None:
         ("rbac.authorization.k8s.io", "clusterroles", "bind"),
         ("", "events", "create"),
         ("", "pods", "list"),  # the adapter sync's ready engine pods
+        ("", "secrets", "get"),  # the engines' API key the adapter sync sends (apiKeySecret)
     }
 
 
