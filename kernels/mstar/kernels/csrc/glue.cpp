@@ -128,13 +128,11 @@ void rms_norm_rows(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_
   });
 }
 
-// gelu_tanh(gate) * up for rows of [gate | up]: 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g +
-// 0.044715 g^3), computed as g / (1 + e^-2y) (the same value, without 1 + tanh's cancellation
-// where g is very negative) with `vexp`, rounded to T before the product as
-// F.gelu(gate, approximate="tanh").mul_(up) rounds.
-template <typename T>
-void gelu_tanh_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
-  constexpr float kA = 0.7978845608028654f, kB = 0.044715f;
+// act(gate) * up for rows of [gate | up]: ``Act`` maps a gate vector (with `vexp`) and a gate
+// scalar (with std::exp) by the same formula; its value is rounded to T before the product, as
+// torch rounds F.act(gate).mul_(up).
+template <typename T, typename Act>
+void act_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter, Act act) {
   const int64_t vec_end = inter / W * W;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -142,39 +140,40 @@ void gelu_tanh_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
       const T* up = gate + inter;
       T* dst = o + t * inter;
       for (int64_t i = 0; i < vec_end; i += W) {
-        const vf g = load(gate + i);
-        const vf y = kA * (g + kB * g * g * g);
-        store(dst + i, narrow<T>(g / (1.f + vexp(-2.f * y))) * load(up + i));
+        store(dst + i, narrow<T>(act(load(gate + i))) * load(up + i));
       }
       for (int64_t i = vec_end; i < inter; ++i) {
         const float g = gate[i];
-        const float y = kA * (g + kB * g * g * g);
-        dst[i] = static_cast<T>(narrow1<T>(g / (1.f + std::exp(-2.f * y))) * static_cast<float>(up[i]));
+        dst[i] = static_cast<T>(narrow1<T>(act(g)) * static_cast<float>(up[i]));
       }
     }
   });
 }
 
-// silu(gate) * up for rows of [gate | up]: torch's silu, x / (1 + exp(-x)) with `vexp`, rounded
-// to T before the product as F.silu(gate).mul_(up) rounds.
+// gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2/pi) (g + 0.044715 g^3), computed as
+// g / (1 + e^-2y): the same value, without 1 + tanh's cancellation where g is very negative.
+struct GeluTanh {
+  static constexpr float kA = 0.7978845608028654f, kB = 0.044715f;
+  vf operator()(vf g) const { return g / (1.f + vexp(-2.f * (kA * (g + kB * g * g * g)))); }
+  float operator()(float g) const {
+    return g / (1.f + std::exp(-2.f * (kA * (g + kB * g * g * g))));
+  }
+};
+
+// torch's silu: x / (1 + exp(-x)).
+struct Silu {
+  vf operator()(vf g) const { return g / (1.f + vexp(-g)); }
+  float operator()(float g) const { return g / (1.f + std::exp(-g)); }
+};
+
+template <typename T>
+void gelu_tanh_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
+  act_mul_rows(xs, o, rows, inter, GeluTanh{});
+}
+
 template <typename T>
 void silu_mul_rows(const T* xs, T* o, int64_t rows, int64_t inter) {
-  const int64_t vec_end = inter / W * W;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* gate = xs + t * 2 * inter;
-      const T* up = gate + inter;
-      T* dst = o + t * inter;
-      for (int64_t i = 0; i < vec_end; i += W) {
-        const vf g = load(gate + i);
-        store(dst + i, narrow<T>(g / (1.f + vexp(-g))) * load(up + i));
-      }
-      for (int64_t i = vec_end; i < inter; ++i) {
-        const float g = gate[i];
-        dst[i] = static_cast<T>(narrow1<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-      }
-    }
-  });
+  act_mul_rows(xs, o, rows, inter, Silu{});
 }
 
 template void rotate_rows<float>(float*, int64_t, int64_t, int64_t, int64_t, const float*,
