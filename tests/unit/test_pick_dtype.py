@@ -65,14 +65,14 @@ def test_auto_for_a_gguf_served_as_stored_is_float32_on_cpu(monkeypatch):
     monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: True)
     cpu = torch.device("cpu")
     for config, stored in (
-        (EngineConfig(), True),  # the packaged default
+        (EngineConfig(), True),  # --model naming a GGUF, flags at their defaults
         (EngineConfig(quantization="none"), False),
         (EngineConfig(deterministic=True), False),
         (EngineConfig(tensor_parallel_size=2), False),
     ):
-        assert engine._serves_stored(config, "/m/SmolLM2.Q4_1.gguf") is stored
+        assert engine._serves_stored(config, "/m/SmolLM2.Q4_1.gguf", cpu) is stored
         want = torch.float32 if stored else torch.bfloat16
         assert engine._pick_dtype("auto", cpu, stored=stored) == want
-    assert not engine._serves_stored(EngineConfig(), "/m/folder")
+    assert not engine._serves_stored(EngineConfig(), "/m/folder", cpu)
     assert engine._pick_dtype("auto", torch.device("cuda"), stored=True) == torch.bfloat16
     assert engine._pick_dtype("bfloat16", cpu, stored=True) == torch.bfloat16

@@ -25,7 +25,7 @@ from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.cuda_ops import attach_fused_glue_ops
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model
-from mstar.engine.model.loader import load_model
+from mstar.engine.model.loader import load_model, stored_gguf_refusal
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model_runner import ModelRunner
 from mstar.engine.outputs import RequestOutput
@@ -177,7 +177,7 @@ class LLMEngine:
         token budget's default differs, see `CPU_SERVING_BATCHED_TOKENS`)."""
         device = _pick_device(config.device)
         path = default_model(config.model)
-        dtype = _pick_dtype(config.dtype, device, stored=_serves_stored(config, path))
+        dtype = _pick_dtype(config.dtype, device, stored=_serves_stored(config, path, device))
         # Refuse an unavailable attention backend before spending time on the weights.
         backend = resolve_attention_backend(config.attention_backend, device, dtype)
         if config.deterministic:
@@ -368,14 +368,20 @@ def _pick_dtype(name: str, device: torch.device, *, stored: bool = False) -> tor
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _serves_stored(config: EngineConfig, path: str) -> bool:
-    """Whether ``path`` is a GGUF file the loader would keep in its blocks as far as the
-    flags tell (the device, dtype and kernels it checks too: `loader._gguf_method`)."""
+def _serves_stored(config: EngineConfig, path: str, device: torch.device) -> bool:
+    """Whether ``path`` is a GGUF file the loader will keep in its blocks (its refusals
+    before a dtype is chosen: `loader.stored_gguf_refusal`)."""
     return (
         path.endswith(".gguf")
         and config.quantization == "auto"
-        and config.tensor_parallel_size == 1
-        and not config.deterministic
+        and stored_gguf_refusal(
+            sharded=config.tensor_parallel_size > 1,
+            device=device,
+            dtype=None,
+            kernels=cpu_kernels.load() if device.type == "cpu" else None,
+            deterministic=config.deterministic,
+        )
+        is None
     )
 
 

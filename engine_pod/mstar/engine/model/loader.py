@@ -329,6 +329,30 @@ def _sharded(shard: TPShard | None, picker: MethodPicker) -> MethodPicker:
     return picker if shard is None else shard.picker(picker)
 
 
+def stored_gguf_refusal(
+    *,
+    sharded: bool,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    kernels: object | None,
+    deterministic: bool,
+) -> str | None:
+    """Why a GGUF's projections cannot stay in their blocks under these settings, or None.
+    ``dtype`` None: not chosen yet (the engine asks before picking it, `engine._serves_stored`;
+    the file's own blocks can still refuse at load)."""
+    if sharded:
+        return "quantized blocks are not sliced for tensor parallelism"
+    if device.type != "cpu":
+        return f"quantized GEMMs run on CPU only (device {device.type})"
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        return f"quantized GEMMs take float32 or bfloat16 activations, not {dtype}"
+    if kernels is None:
+        return "the C++ CPU kernels are off"
+    if deterministic:
+        return "--deterministic (the quantized GEMM picks its kernel by row count)"
+    return None
+
+
 def _gguf_method(
     path: Path,
     cfg: ModelConfig,
@@ -340,17 +364,13 @@ def _gguf_method(
 ) -> GGUFLinearMethod | None:
     """The quantized method for a GGUF file, or None (logged why: the dequantized
     conversion is served instead)."""
-    why = None
-    if shard is not None:
-        why = "quantized blocks are not sliced for tensor parallelism"
-    elif device.type != "cpu":
-        why = f"quantized GEMMs run on CPU only (device {device.type})"
-    elif dtype not in (torch.float32, torch.bfloat16):
-        why = f"quantized GEMMs take float32 or bfloat16 activations, not {dtype}"
-    elif kernels is None:
-        why = "the C++ CPU kernels are off"
-    elif deterministic:
-        why = "--deterministic (the quantized GEMM picks its kernel by row count)"
+    why = stored_gguf_refusal(
+        sharded=shard is not None,
+        device=device,
+        dtype=dtype,
+        kernels=kernels,
+        deterministic=deterministic,
+    )
     if why is None:
         try:
             return GGUFLinearMethod(GGUFWeights(path, cfg, family_named(cfg.family).names), kernels)
