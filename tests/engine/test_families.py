@@ -137,8 +137,8 @@ def test_bf16_kernels_stay_close_to_torch_ops(family_case, monkeypatch) -> None:
         ("mistral", None),
         ("gemma3", None),
         ("phi3", None),
-        ("qwen3_moe", "the qwen3_moe layer"),
-        ("mixtral", "the mixtral layer"),
+        ("qwen3_moe", None),
+        ("mixtral", None),
         ("gpt_oss", "the gpt_oss layer, attention sinks"),
     ],
 )

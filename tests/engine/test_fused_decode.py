@@ -74,7 +74,7 @@ def _engine(folder: Path, dtype: str = "bfloat16") -> LLMEngine:
 
 
 @pytest.mark.parametrize("dtype", sorted(FUSED_LEVELS))
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"])
 def test_fused_decode_layers_give_the_layer_by_layer_bits(
     level: str, family: str, dtype: str, tiny_model: Callable[[str], Path]
 ) -> None:

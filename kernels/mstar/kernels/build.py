@@ -56,7 +56,7 @@ KERNEL_SOURCES = (
     "lora.cpp",
 )
 #: the tensor side, compiled once and linked into every level (torch's headers are slow)
-BINDINGS = ("bindings.cpp", "moe_bindings.cpp", "lora_bindings.cpp")
+BINDINGS = ("bindings.cpp", "moe_bindings.cpp", "moe_decode.cpp", "lora_bindings.cpp")
 #: the prefix of each level's library and Python module name (`module_name`)
 MODULE = "mstar_cpu_kernels"
 #: overrides the cache's location (default: $XDG_CACHE_HOME or ~/.cache, then mstar/kernels)

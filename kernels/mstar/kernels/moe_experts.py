@@ -156,6 +156,20 @@ class CpuExperts:
             kernels, stack(gate_up), bias(gate_up_bias), stack(down), bias(down_bias), inter, act
         )
 
+    def with_routing(
+        self, top_k: int, softmax_first: bool, renormalize: bool, round_weights: bool
+    ) -> Any:
+        """The kernels' ``MoeLayer``: these experts behind a router's top-k, in C++ (the layer
+        path and the fused decode step run the same one). ``softmax_first``: softmax over every
+        expert then the top k (Qwen-MoE, Mixtral), else the top k then softmax over them
+        (gpt-oss); ``renormalize``: the top-k weights divided by their sum;
+        ``round_weights``: rounded to the model's dtype before use."""
+        return self.kernels.MoeLayer(
+            self.gate_up, self.gate_up_bias, self.down, self.down_bias, self.inter,
+            int(self.act.kind), self.act.alpha, self.act.limit,
+            top_k, 0 if softmax_first else 1, renormalize, round_weights,
+        )  # fmt: skip
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.kernels.moe_experts(
             x if x.stride(-1) == 1 else x.contiguous(),

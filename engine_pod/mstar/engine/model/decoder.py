@@ -29,7 +29,7 @@ from mstar.engine.model.layers import (
     RMSNorm,
 )
 from mstar.engine.model.linear import DenseLinearMethod, Linears, LinearSpec, MethodPicker
-from mstar.engine.model.moe import MoeBlock
+from mstar.engine.model.moe import FusedMoe, MoeBlock
 from mstar.engine.model.rope import RotaryEmbedding
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.paged_layout import KernelDecodeLayers
@@ -104,15 +104,28 @@ class FusedDecodeWeights:
     down: list[torch.Tensor]
     biases: list[torch.Tensor | None]
     max_rows: int
+    #: the MoE layers' router and experts (their gate/up and down entries are empty), or None
+    moe: FusedMoe | None = None
 
     @staticmethod
     def gather(layers: Any) -> FusedDecodeWeights | None:
-        """The bundle, or None where a layer runs a projection another way."""
+        """The bundle, or None where a layer runs a projection (or MoE block) another way."""
         packed: dict[str, list[torch.Tensor]] = {n: [] for n in PROJECTIONS}
         biases: list[torch.Tensor | None] = []
         max_rows = 1 << 30
+        moe = None
+        if any(layer.moe is not None for layer in layers):
+            moe = FusedMoe.gather(layers)
+            if moe is None:
+                return None
+            max_rows = moe.max_rows
         for layer in layers:
             for name in PROJECTIONS:
+                if layer.moe is not None and name not in PROJECTIONS[:2]:
+                    # the MoE step replaces the dense MLP's two projections (never read)
+                    packed[name].append(torch.empty(0))
+                    biases.append(None)
+                    continue
                 linear = getattr(layer, name)
                 if not isinstance(linear, PackedLinear) or linear.small_batch_weight is None:
                     return None
@@ -128,6 +141,7 @@ class FusedDecodeWeights:
             down=packed["down_proj"],
             biases=biases,
             max_rows=max_rows,
+            moe=moe,
         )
 
     def kernel_call(self) -> tuple[str, tuple[Any, ...]]:
@@ -216,7 +230,8 @@ class Decoder(nn.Module):
         self.fused_decode = None
         if fused:  # packed float weights, else GGUF blocks as stored
             gathered = FusedDecodeWeights.gather(self.layers)
-            self.fused_decode = gathered or QuantDecodeWeights.gather(self.layers)
+            moe = any(layer.moe is not None for layer in self.layers)  # not as GGUF blocks
+            self.fused_decode = gathered or (None if moe else QuantDecodeWeights.gather(self.layers))
             layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
             self._layout_norms = [n for layer in layers for n in layer.layout_norms()]
 
@@ -332,7 +347,9 @@ class Decoder(nn.Module):
         name, args = weights.kernel_call()
         tables = list(cos_sins.values())
         groups = step.steps
-        with nullcontext() if self.lora_rows is None else self.lora_rows.fused_step():
+        moe = weights.moe if isinstance(weights, FusedDecodeWeights) else None
+        lora = nullcontext() if self.lora_rows is None else self.lora_rows.fused_step()
+        with lora, nullcontext() if moe is None else moe.step():
             out, residual = getattr(kernels, name)(
                 h, residual, *args, step.cache, [c for c, _ in tables], [s for _, s in tables],
                 [g.page_table for g in groups], [g.kv_lens for g in groups],

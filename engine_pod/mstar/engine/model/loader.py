@@ -294,6 +294,8 @@ def load_model(
         kept = sorted(s.name for s in specs if quant.weights.takes(s))
         log.info("GGUF: %d of %d projections served quantized as stored", len(kept), len(specs))
     final = fp8.with_dense(method).picker() if fp8 else _sharded(shard, _picker(quant, method))
+    for block in decoder.moe_blocks() if kernels is not None else ():
+        block.use_cpu_kernels(kernels, method)  # packed once (the plain stacks dropped)
     decoder.finalize_linears(final, fused=kernels is not None and refusal is None)
     if quant is not None:
         quant.weights.release()
@@ -309,8 +311,6 @@ def load_model(
             why = refusal or "a projection runs outside the small-batch kernels"
             log.info("%s: fused CPU decode off (%s); decode steps run layer by layer",
                      cfg.family, why)  # fmt: skip
-    for block in decoder.moe_blocks() if kernels is not None else ():
-        block.use_cpu_kernels(kernels, method)  # packed once, the plain stacks dropped
     decoder.cpu_kernels = kernels
     decoder.deterministic = deterministic
     return decoder, cfg, tokenizer

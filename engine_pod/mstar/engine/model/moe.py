@@ -19,7 +19,8 @@ reordered at load, once, and MXFP4 expert weights are dequantized at load.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from mstar.engine.model.linear import DenseLinearMethod, LinearSpec
+from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.moe_experts import CpuExperts, ExpertAct, ExpertActivation, grouped_experts
 
 #: the model types whose config.json `MoeSpec.from_config` reads
@@ -161,8 +163,11 @@ class MoeBlock(nn.Module):
             self.shared_gate = nn.Linear(h, 1, bias=False, **kw)
         #: what runs the router: ``router`` itself, or its `PackedLinear` (`use_cpu_kernels`)
         self.router_run: nn.Module = self.router
-        #: the experts packed for the C++ kernel (`use_cpu_kernels`), or None: torch's path
-        self.cpu_experts: CpuExperts | None = None
+        #: the kernels' ``MoeLayer`` (`use_cpu_kernels`: the experts packed, the routing in
+        #: C++, as the fused decode step runs it), or None: torch's path
+        self.cpu_layer: Any | None = None
+        #: the `cpu_kernels` extension ``cpu_layer`` belongs to
+        self.cpu_kernels: Any | None = None
         self.requires_grad_(False)
 
     def use_cpu_kernels(self, kernels: Any, method: DenseLinearMethod | None = None) -> None:
@@ -176,18 +181,25 @@ class MoeBlock(nn.Module):
             r = self.router
             spec = LinearSpec("router", r.in_features, r.out_features, r.bias is not None)
             self.router_run = method.finalize(spec, r)
-        self.cpu_experts = CpuExperts.pack(
-            kernels, self.gate_up, self.gate_up_bias, self.down, self.down_bias, self.spec.act
+        s = self.spec
+        self.cpu_kernels = kernels
+        experts = CpuExperts.pack(
+            kernels, self.gate_up, self.gate_up_bias, self.down, self.down_bias, s.act
+        )
+        softmax_first = s.scoring == "softmax"
+        self.cpu_layer = experts.with_routing(
+            s.top_k, softmax_first, s.renormalize, s.weights_in_model_dtype
         )
         self.gate_up = nn.Parameter(self.gate_up.new_empty(0), requires_grad=False)
         self.down = nn.Parameter(self.down.new_empty(0), requires_grad=False)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router_run(x), self.spec)
-        if self.cpu_experts is not None:
-            out = self.cpu_experts(x, ids, weights)
+        logits = self.router_run(x)
+        if self.cpu_layer is not None:
+            out: torch.Tensor = self.cpu_layer.forward(x.contiguous(), logits.contiguous())
         else:
+            weights, ids = route(logits, self.spec)
             out = grouped_experts(
                 x, ids, weights, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
                 self.spec.act,
@@ -197,6 +209,55 @@ class MoeBlock(nn.Module):
             shared = self.shared_down(ExpertAct()(self.shared_gate_up(x)))
             out = out + torch.sigmoid(self.shared_gate(x)) * shared
         return out
+
+
+@dataclass(frozen=True)
+class FusedMoe:
+    """Every MoE layer of a model for `cpu_kernels.decode_layers` (the kernels' ``MoeDecode``:
+    between its ``begin`` and ``end`` those layers' MLP is router, top-k and experts in C++),
+    and the most rows the routers' small-batch kernel takes."""
+
+    kernel: Any
+    max_rows: int
+
+    @staticmethod
+    def gather(layers: Iterable[Any]) -> FusedMoe | None:
+        """From the layers' ``moe`` blocks (None where a layer has none); None where a block
+        runs outside the C++ kernels (`MoeBlock.use_cpu_kernels` not called), has a shared
+        expert, or its router keeps no small-batch packed weight."""
+        index: list[int] = []
+        blocks: list[Any] = []
+        routers: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
+        max_rows = 1 << 30
+        kernels: Any = None
+        for i, layer in enumerate(layers):
+            block: MoeBlock | None = layer.moe
+            if block is None:
+                continue
+            router = block.router_run
+            small = getattr(router, "small_batch_weight", None)
+            if block.cpu_layer is None or block.shared_gate_up is not None or small is None:
+                return None
+            assert isinstance(router, PackedLinear)
+            kernels = block.cpu_kernels
+            index.append(i)
+            blocks.append(block.cpu_layer)
+            routers.append(small)
+            biases.append(None if router.bias is None else router.bias.detach())
+            max_rows = min(max_rows, router.small_batch_max_rows)
+        if not blocks:
+            return None
+        return FusedMoe(kernels.MoeDecode(index, blocks, routers, biases), max_rows)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """A `decode_layers` call on this thread inside runs the MoE layers."""
+        self.kernel.begin()
+        try:
+            yield
+        finally:
+            self.kernel.end()
 
 
 # -- loading a checkpoint's tensors --------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 #include "kernels.h"
 #include "lora_ops.h"
+#include "moe_decode.h"
 #include "moe_ops.h"
 
 namespace {
@@ -501,8 +502,10 @@ std::vector<torch::Tensor> run_decode_layers(
     x = proj(attn.view({t, q_size}), i, 1);
     if (norm[2]) rms_norm_(x, *norm[2], eps);
     add_rms_norm_(x, residual, norm_post[i], eps);
-    const auto act = act_mul(proj(x, i, 2), layout.gelu, "decode_layers");
-    x = proj(act, i, 3);
+    if (!moe_decode_mlp_(x, i)) {  // an MoE layer's router and experts instead (moe_decode.h)
+      const auto act = act_mul(proj(x, i, 2), layout.gelu, "decode_layers");
+      x = proj(act, i, 3);
+    }
     if (norm[3]) rms_norm_(x, *norm[3], eps);
   }
   return {x, residual};
@@ -602,6 +605,15 @@ void define(pybind11::module_& m) {
                     std::vector<int64_t>>())
       .def("begin", &LoraDecode::begin)
       .def("end", &LoraDecode::end);
+  py::class_<MoeLayer, std::shared_ptr<MoeLayer>>(m, "MoeLayer", py::module_local())
+      .def(py::init<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
+                    int64_t, int64_t, double, double, int64_t, int64_t, bool, bool>())
+      .def("forward", &MoeLayer::forward, py::call_guard<py::gil_scoped_release>());
+  py::class_<MoeDecode>(m, "MoeDecode", py::module_local())
+      .def(py::init<std::vector<int64_t>, std::vector<std::shared_ptr<MoeLayer>>, Tensors,
+                    std::vector<std::optional<at::Tensor>>>())
+      .def("begin", &MoeDecode::begin)
+      .def("end", &MoeDecode::end);
 }
 
 }  // namespace

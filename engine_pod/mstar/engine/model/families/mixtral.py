@@ -26,5 +26,4 @@ FAMILY = Family(
     model_types=("mixtral",),
     own=_own,
     names=_names,
-    fused_decode=False,  # `decode_layers` runs dense MLPs only
 )

@@ -44,5 +44,4 @@ FAMILY = Family(
     gguf_architectures=("qwen3moe",),
     own=_own,
     names=_names,
-    fused_decode=False,  # `decode_layers` runs dense MLPs only
 )
