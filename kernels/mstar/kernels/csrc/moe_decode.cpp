@@ -41,7 +41,8 @@ void route_row(const T* logits, int64_t experts, int64_t top_k, int64_t scoring,
   }
   float sum = 0.f;
   if (scoring == 1) {  // softmax over the k chosen logits, in the model's dtype
-    for (int64_t j = 0; j < top_k; ++j) sum += (weights[j] = std::exp(weights[j] - weights[0]));
+    const float max = weights[0];
+    for (int64_t j = 0; j < top_k; ++j) sum += (weights[j] = std::exp(weights[j] - max));
     for (int64_t j = 0; j < top_k; ++j) weights[j] = static_cast<float>(T(weights[j] / sum));
   } else if (renormalize) {
     for (int64_t j = 0; j < top_k; ++j) sum += weights[j];
