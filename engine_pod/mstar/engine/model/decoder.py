@@ -229,9 +229,10 @@ class Decoder(nn.Module):
         self.linears.finalize(self, picker)
         self.fused_decode = None
         if fused:  # packed float weights, else GGUF blocks as stored
-            gathered = FusedDecodeWeights.gather(self.layers)
-            moe = any(layer.moe is not None for layer in self.layers)  # not as GGUF blocks
-            self.fused_decode = gathered or (None if moe else QuantDecodeWeights.gather(self.layers))
+            gathered: FusedDecode | None = FusedDecodeWeights.gather(self.layers)
+            if gathered is None and not any(layer.moe is not None for layer in self.layers):
+                gathered = QuantDecodeWeights.gather(self.layers)  # (no MoE step over blocks)
+            self.fused_decode = gathered
             layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
             self._layout_norms = [n for layer in layers for n in layer.layout_norms()]
 
