@@ -23,8 +23,10 @@ from mstar.engine.model.moe import (
     dequantize_mxfp4,
     is_moe_layer,
     load_moe_block_,
+    route,
 )
 from mstar.kernels import cpu_kernels
+from mstar.kernels.moe_experts import CpuExperts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,6 +172,27 @@ def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does() -> None:
     x = torch.randn(9, HIDDEN, generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(block(x), _hf_out(hf, x), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_the_cpp_router_rounds_as_route_in_bf16(model_type: str, kernels: Any) -> None:
+    """`MoeBlock` on the kernels routes in C++ (``MoeLayer``); in bf16 its weights round where
+    `route` rounds them (Qwen and gpt-oss to bf16, Mixtral kept float32): the same experts on
+    the same stacks give the block's output."""
+    hf, cfg = _hf_block(model_type)
+    ours = MoeBlock(MoeSpec.from_config(cfg), dtype=torch.bfloat16)
+    prefix = "model.layers.0.mlp"
+    load_moe_block_(ours, _checkpoint(hf, model_type, prefix), prefix)
+    stacks = (ours.gate_up, ours.gate_up_bias, ours.down, ours.down_bias)
+    experts = CpuExperts.pack(kernels, *(None if t is None else t.clone() for t in stacks),
+                              ours.spec.act)  # fmt: skip
+    ours.use_cpu_kernels(kernels)
+    x = torch.randn(TOKENS[-1], HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    weights, ids = route(ours.router_run(x), ours.spec)
+    expected = experts(x, ids, weights)
+    got = ours(x)
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+    assert (got == expected).float().mean() > 0.99
 
 
 def test_sparse_layers_and_unsupported_configs() -> None:

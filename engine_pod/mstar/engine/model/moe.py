@@ -11,10 +11,12 @@ Routing, as transformers computes it (float32 greedy is what the family tests co
   those k in the model's dtype.
 
 The experts run grouped by expert (`mstar.kernels.moe_experts`): on CPU the C++ kernel over
-weights packed once by `use_cpu_kernels`, elsewhere torch's grouped GEMM; the router's top-k
-stays on the device. The expert weights are held stacked, gate rows then up rows
-(``gate_up`` [E, 2I, H], ``down`` [E, H, I]): gpt-oss's interleaved gate/up columns are
-reordered at load, once, and MXFP4 expert weights are dequantized at load.
+weights packed once by `use_cpu_kernels`, with the router's top-k in C++ as well (the kernels'
+``MoeLayer``, which a fused decode step runs inside `decode_layers`: `FusedMoe`); elsewhere
+torch's grouped GEMM, the router's top-k on the device (`route`). The expert weights are
+held stacked, gate rows then up rows (``gate_up`` [E, 2I, H], ``down`` [E, H, I]): gpt-oss's
+interleaved gate/up columns are reordered at load, once, and MXFP4 expert weights are
+dequantized at load.
 """
 
 from __future__ import annotations
