@@ -74,7 +74,9 @@ def _engine(folder: Path, dtype: str = "bfloat16") -> LLMEngine:
 
 
 @pytest.mark.parametrize("dtype", sorted(FUSED_LEVELS))
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss"]
+)
 def test_fused_decode_layers_give_the_layer_by_layer_bits(
     level: str, family: str, dtype: str, tiny_model: Callable[[str], Path]
 ) -> None:

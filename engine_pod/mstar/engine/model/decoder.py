@@ -54,12 +54,14 @@ FUSED_ACTIVATIONS = ("silu", "gelu_tanh")
 def fused_decode_refusal(cfg: ModelConfig, family_supports: bool = True) -> str | None:
     """Why `cpu_kernels.decode_layers` cannot run this model's layers (None: it can). That
     kernel runs a Llama block plus what Qwen3 and Gemma 3 add (q/k norm, ``1 + w`` and
-    sandwich norms, GELU-tanh, per-layer RoPE tables, windows and KV groups): anything else
-    is refused by name, never skipped inside it."""
+    sandwich norms, GELU-tanh, per-layer RoPE tables, windows and KV groups) and the MoE
+    layers of Qwen3-MoE, Mixtral and gpt-oss (with its sinks: `FusedMoe`): anything else is
+    refused by name, never skipped inside it."""
     checks = (
         (not family_supports, f"the {cfg.family} layer"),
         (cfg.hidden_act not in FUSED_ACTIVATIONS, f"{cfg.hidden_act} activation"),
-        (cfg.attn_sinks, "attention sinks"),
+        # sinks ride on the MoE step's `MoeDecode` (gpt-oss), so a dense layer cannot take them
+        (cfg.attn_sinks and cfg.moe is None, "attention sinks"),
     )
     reasons = [why for bad, why in checks if bad]
     return ", ".join(reasons) if reasons else None
@@ -114,7 +116,7 @@ class FusedDecodeWeights:
         biases: list[torch.Tensor | None] = []
         max_rows = 1 << 30
         moe = None
-        if any(layer.moe is not None for layer in layers):
+        if any(layer.moe is not None or layer.sinks is not None for layer in layers):
             moe = FusedMoe.gather(layers)
             if moe is None:
                 return None

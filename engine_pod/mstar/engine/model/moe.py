@@ -21,7 +21,7 @@ dequantized at load.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -216,14 +216,15 @@ class MoeBlock(nn.Module):
 @dataclass(frozen=True)
 class FusedMoe:
     """Every MoE layer of a model for `cpu_kernels.decode_layers` (the kernels' ``MoeDecode``:
-    between its ``begin`` and ``end`` those layers' MLP is router, top-k and experts in C++),
-    and the most rows the routers' small-batch kernel takes."""
+    between its ``begin`` and ``end`` those layers' MLP is router, top-k and experts in C++,
+    and each layer's attention takes its sinks: gpt-oss), and the most rows the routers'
+    small-batch kernel takes."""
 
     kernel: Any
     max_rows: int
 
     @staticmethod
-    def gather(layers: Iterable[Any]) -> FusedMoe | None:
+    def gather(layers: Sequence[Any]) -> FusedMoe | None:
         """From the layers' ``moe`` blocks (None where a layer has none); None where a block
         runs outside the C++ kernels (`MoeBlock.use_cpu_kernels` not called), has a shared
         expert, or its router keeps no small-batch packed weight."""
@@ -250,7 +251,8 @@ class FusedMoe:
             max_rows = min(max_rows, router.small_batch_max_rows)
         if not blocks:
             return None
-        return FusedMoe(kernels.MoeDecode(index, blocks, routers, biases), max_rows)
+        sinks = [getattr(layer, "sinks", None) for layer in layers]  # gpt-oss's attention's
+        return FusedMoe(kernels.MoeDecode(index, blocks, routers, biases, sinks), max_rows)
 
     @contextmanager
     def step(self) -> Iterator[None]:

@@ -498,7 +498,7 @@ std::vector<torch::Tensor> run_decode_layers(
              layout.slots[group]);
     const auto attn = paged_decode(qk.narrow(1, 0, num_heads), kv_layer,
                                    layout.page_tables[group], layout.kv_lens[group], scale,
-                                   window, c10::nullopt);
+                                   window, moe_decode_sinks_(i));  // gpt-oss's, if any
     x = proj(attn.view({t, q_size}), i, 1);
     if (norm[2]) rms_norm_(x, *norm[2], eps);
     add_rms_norm_(x, residual, norm_post[i], eps);
@@ -611,6 +611,7 @@ void define(pybind11::module_& m) {
       .def("forward", &MoeLayer::forward, py::call_guard<py::gil_scoped_release>());
   py::class_<MoeDecode>(m, "MoeDecode", py::module_local())
       .def(py::init<std::vector<int64_t>, std::vector<std::shared_ptr<MoeLayer>>, Tensors,
+                    std::vector<std::optional<at::Tensor>>,
                     std::vector<std::optional<at::Tensor>>>())
       .def("begin", &MoeDecode::begin)
       .def("end", &MoeDecode::end);

@@ -102,7 +102,9 @@ at::Tensor MoeLayer::forward(const at::Tensor& x, const at::Tensor& logits) cons
 
 MoeDecode::MoeDecode(std::vector<int64_t> layers, std::vector<std::shared_ptr<MoeLayer>> blocks,
                      std::vector<at::Tensor> routers,
-                     std::vector<std::optional<at::Tensor>> router_biases) {
+                     std::vector<std::optional<at::Tensor>> router_biases,
+                     std::vector<std::optional<at::Tensor>> sinks)
+    : sinks_(std::move(sinks)) {
   const auto n = layers.size();
   TORCH_CHECK(blocks.size() == n && routers.size() == n && router_biases.size() == n,
               "MoeDecode: a block, a router and a router bias per layer");
@@ -126,6 +128,15 @@ bool MoeDecode::mlp(at::Tensor& x, int64_t layer) const {
   const Block& b = *by_layer_[layer];
   x = b.moe->forward(x, small_linear(x, b.router, b.moe->experts(), b.router_bias));
   return true;
+}
+
+std::optional<at::Tensor> MoeDecode::sinks(int64_t layer) const {
+  if (layer >= static_cast<int64_t>(sinks_.size())) return std::nullopt;
+  return sinks_[layer];
+}
+
+std::optional<at::Tensor> moe_decode_sinks_(int64_t layer) {
+  return active_decode != nullptr ? active_decode->sinks(layer) : std::nullopt;
 }
 
 bool moe_decode_mlp_(at::Tensor& x, int64_t layer) {

@@ -33,17 +33,21 @@ class MoeLayer {
 };
 
 // Every MoE layer of a model for `decode_layers`: layers[b] has block b and its router's
-// small-batch packed weight (and bias). Between begin() and end() on one thread, that thread's
-// `decode_layers` runs those layers' MLP as router, top-k and experts (`moe_decode_mlp_`)
-// instead of the dense gate/up, act, down; the other layers keep the dense MLP.
+// small-batch packed weight (and bias); sinks[i]: layer i's attention sink logits (gpt-oss:
+// float32 [Hq]) or None, for every layer (or empty: none). Between begin() and end() on one
+// thread, that thread's `decode_layers` runs those layers' MLP as router, top-k and experts
+// (`moe_decode_mlp_`) instead of the dense gate/up, act, down (the other layers keep the dense
+// MLP), and hands each layer's sinks to its attention (`moe_decode_sinks_`).
 class MoeDecode {
  public:
   MoeDecode(std::vector<int64_t> layers, std::vector<std::shared_ptr<MoeLayer>> blocks,
-            std::vector<at::Tensor> routers, std::vector<std::optional<at::Tensor>> router_biases);
+            std::vector<at::Tensor> routers, std::vector<std::optional<at::Tensor>> router_biases,
+            std::vector<std::optional<at::Tensor>> sinks);
   void begin();
   void end();
   // x [T, H] -> layer's MoE output; false (x untouched) where the layer has no MoE block.
   bool mlp(at::Tensor& x, int64_t layer) const;
+  std::optional<at::Tensor> sinks(int64_t layer) const;
 
  private:
   struct Block {
@@ -52,11 +56,14 @@ class MoeDecode {
     std::optional<at::Tensor> router_bias;
   };
   std::vector<std::optional<Block>> by_layer_;
+  std::vector<std::optional<at::Tensor>> sinks_;
 };
 
 // decode_layers' MLP hook for layer `layer`: the `MoeDecode` begun on this thread replaces x
 // by that layer's MoE output and returns true; false where there is none (the dense MLP runs).
 bool moe_decode_mlp_(at::Tensor& x, int64_t layer);
+// decode_layers' attention sinks for layer `layer` (None where no `MoeDecode` gives any).
+std::optional<at::Tensor> moe_decode_sinks_(int64_t layer);
 
 // bindings.cpp's GEMM over a small-batch packed weight (the kernel told by its layout's rank).
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,

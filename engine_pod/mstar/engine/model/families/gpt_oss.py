@@ -45,5 +45,4 @@ FAMILY = Family(
     own=_own,
     names=_names,
     gguf_architectures=("gpt-oss",),
-    fused_decode=False,  # `decode_layers` runs dense MLPs and no sinks
 )
