@@ -108,12 +108,11 @@ def cases(tiny_llama_dir: Path, adapters: dict[str, Path]) -> Cases:
 
 
 def _graph_engine(base: Path, adapters: dict[str, Path], max_loras: int) -> LLMEngine:
-    engine = LLMEngine.from_config(
-        EngineConfig(
-            model=str(base), dtype="float32", device="cpu", page_size=4, max_lora_rank=64,
-            max_loras=max_loras, lora_modules=[f"{n}={p}" for n, p in adapters.items()],
-        )  # fmt: skip
-    )
+    config = EngineConfig(
+        model=str(base), dtype="float32", device="cpu", page_size=4, max_lora_rank=64,
+        max_loras=max_loras, lora_modules=[f"{n}={p}" for n, p in adapters.items()],
+    )  # fmt: skip
+    engine = LLMEngine.from_config(config)
     runner = engine.model_runner
     assert runner.setup_graphs(SIZES, False, engine.max_model_len, capture=False) is None
     return engine

@@ -54,7 +54,9 @@ def lora_add_masked(
 def row_slots(plan: LoraPlan | None, rows: int) -> list[int]:
     """Each of a step's ``rows`` rows' adapter slot, from its segments (-1: the base model, and
     every row past the plan's: a graph bucket's padding)."""
-    slots = [] if plan is None else [s for n, s in zip(plan.lengths, plan.slots) for _ in range(n)]
+    slots: list[int] = []
+    if plan is not None:
+        slots = [s for n, s in zip(plan.lengths, plan.slots, strict=True) for _ in range(n)]
     if len(slots) > rows:
         raise ValueError(f"{len(slots)} LoRA rows planned for a step of {rows}")
     return slots + [-1] * (rows - len(slots))
