@@ -5,15 +5,15 @@ experts take one of three forms, none reading a count back to the host while a g
 
 - bf16 on SM80 and up: torch's grouped GEMM (`grouped_experts` with ``grouped_mm``), the rows
   sorted by expert on the device, each expert's weights read once;
-- any other dtype or GPU (``F.grouped_mm`` takes bf16 on SM80+ only; float32 is what the
-  token-exact tests run) while a graph is being captured, a fixed-shape form chosen by the
-  bucket's rows: `gathered_experts` when its ``T*k`` (token, choice) rows are at most the
-  expert count (each row's expert weights ``index_select``-ed into [T*k, ...] and one ``bmm``
-  per projection: reads no more than the experts chosen), else `dense_experts` (every expert
-  over every row, weighed by a [T, E] routing matrix that is zero off the top-k: each expert's
-  weights read once, ``E/k`` times the flops);
-- any other dtype eagerly: the per-expert loop (`grouped_experts` without ``grouped_mm``),
-  whose host-side counts cost nothing outside a graph.
+- any other dtype or GPU (``F.grouped_mm`` takes bf16 on SM80+ only: an fp16 engine, or a GPU
+  before Ampere; graphs need FlashInfer, so never float32) while a graph is being captured: a
+  fixed-shape form chosen by the bucket's rows, `gathered_experts` when its ``T*k`` (token,
+  choice) rows are at most the expert count (each row's expert weights ``index_select``-ed
+  into [T*k, ...] and one ``bmm`` per projection: reads no more than the experts chosen), else
+  `dense_experts` (every expert over every row, weighed by a [T, E] routing matrix that is zero
+  off the top-k: each expert's weights read once, ``E/k`` times the flops);
+- any other dtype eagerly (float32 included): the per-expert loop (`grouped_experts` without
+  ``grouped_mm``), whose host-side counts cost nothing outside a graph.
 """
 
 from __future__ import annotations
