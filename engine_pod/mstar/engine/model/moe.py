@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mstar.engine.model.linear import DenseLinearMethod, LinearSpec
-from mstar.engine.model.moe_cuda import cuda_experts
+from mstar.engine.model.moe_cuda import Experts, cuda_experts
 from mstar.kernels.moe_experts import CpuExperts, ExpertAct, ExpertActivation, grouped_experts
 
 #: the model types whose config.json `MoeSpec.from_config` reads
@@ -189,10 +189,10 @@ class MoeBlock(nn.Module):
         if self.cpu_experts is not None:
             out = self.cpu_experts(x, ids, weights)
         elif x.device.type == "cuda":  # capturable in the decode graph (`moe_cuda`)
-            out = cuda_experts(
-                x, ids, weights, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
-                self.spec.act,
-            )  # fmt: skip
+            experts = Experts(
+                self.gate_up, self.gate_up_bias, self.down, self.down_bias, self.spec.act
+            )
+            out = cuda_experts(x, ids, weights, experts)
         else:
             out = grouped_experts(
                 x, ids, weights, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
