@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe_kernels import EXPERTS, TOP_K, _routing
 
 from mstar.engine.model import moe_cuda
 from mstar.engine.model.moe import MoeBlock, MoeSpec, route
@@ -22,7 +23,7 @@ from mstar.engine.model.moe_cuda import (
 )
 from mstar.kernels.moe_experts import grouped_experts
 
-HIDDEN, INTER, EXPERTS, TOP_K = 48, 24, 8, 2
+HIDDEN, INTER = 48, 24
 FORMS = [gathered_experts, dense_experts, fixed_shape_experts]
 
 
@@ -44,20 +45,6 @@ def _experts(model_type: str, device: str = "cpu") -> Experts:
     return Experts(block.gate_up, block.gate_up_bias, block.down, block.down_bias, block.spec.act)
 
 
-def _ids(kind: str, tokens: int, gen: torch.Generator) -> torch.Tensor:
-    """``spread``: random distinct pairs; ``idle``: only experts 1 and 4 get tokens; ``all``:
-    expert 3 is every token's first choice."""
-    if kind == "idle":
-        pair = torch.tensor([1, 4])
-        flip = torch.randint(0, 2, (tokens, 1), generator=gen).bool()
-        return torch.where(flip, pair.flip(0), pair).expand(tokens, 2).contiguous()
-    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
-    if kind == "all":
-        ids[:, 0] = 3
-        ids[:, 1] = torch.where(ids[:, 1] == 3, 5, ids[:, 1])
-    return ids
-
-
 @pytest.mark.parametrize("routing", ["spread", "idle", "all"])
 @pytest.mark.parametrize("tokens", [1, 4, 37])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
@@ -65,7 +52,7 @@ def test_fixed_forms_equal_the_grouped_path(routing: str, tokens: int, model_typ
     gen = torch.Generator().manual_seed(tokens)
     e = _experts(model_type)
     x = torch.randn(tokens, HIDDEN, generator=gen)
-    ids = _ids(routing, tokens, gen)
+    ids = _routing(routing, tokens, gen)
     weights = torch.softmax(torch.randn(tokens, TOP_K, generator=gen), dim=-1)
     want = grouped_experts(
         x, ids, weights, e.gate_up, e.gate_up_bias, e.down, e.down_bias, e.act, grouped_mm=False
@@ -85,7 +72,7 @@ def test_fixed_shape_picks_the_gather_for_few_rows_only(monkeypatch: pytest.Monk
     for form in (gathered_experts, dense_experts):
         monkeypatch.setattr(moe_cuda, form.__name__, lambda *a, f=form: ran.append(f.__name__))
     for tokens in (EXPERTS // TOP_K, EXPERTS // TOP_K + 1):
-        ids = _ids("spread", tokens, torch.Generator().manual_seed(1))
+        ids = _routing("spread", tokens, torch.Generator().manual_seed(1))
         fixed_shape_experts(torch.randn(tokens, HIDDEN), ids, torch.full((tokens, TOP_K), 0.5), e)
     assert ran == ["gathered_experts", "dense_experts"]
 
