@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU decode at the hardware's pace (issue 48) and FP8 (issue 46), ONE device call (H100 or
-# H200), <= 5 minutes:
+# GPU decode at the hardware's pace (issue 48), FP8 (issue 46), LoRA and MoE in the decode graph
+# and gpt-oss's sinks (issues 49, 45), ONE device call (H100 or H200), <= 5 minutes:
 #
 #   bash tests/gpu/fetch_wheels.sh                      # here, once: .whl/ (FlashInfer & co)
 #   device run, carry [".whl"], timeout_s 360:  bash scripts/device_gpu_decode.sh
@@ -8,6 +8,11 @@
 # Staged inside BUDGET_S (default 290 s; every stage headed with the seconds spent so far):
 #   0. machine: commit, GPU, driver;
 #   1. the carried wheels (tests/gpu/fetch_wheels.sh), versions;
+#   2a. the CUDA-graph LoRA, MoE and sinks tests (tests/gpu/test_lora_graph_cuda.py,
+#      tests/gpu/test_moe_sinks_cuda.py): adapter batches replay like --enforce-eager and read a
+#      slot reloaded in place; the MoE block captures (bf16 grouped GEMM, fp16 fixed forms) with
+#      no host sync; a Qwen3-MoE engine's graphs equal eager; FlashInfer with sinks equals the
+#      torch backend; gpt-oss on CUDA equals transformers (float32) and torch (bf16);
 #   2. GPU tests: the FP8 GEMM against its dequantized reference, a --quantization fp8 engine,
 #      FlashInfer's RoPE and append_paged_kv_cache against their torch contracts (first: they
 #      JIT-compile the rope and page modules every bf16 engine now uses); graphs equal eager
@@ -47,8 +52,13 @@ main() {
   capped 60 python3 -c "import torch, flashinfer, transformers; print('torch', torch.__version__,
     'flashinfer', flashinfer.__version__, 'transformers', transformers.__version__)" || return 2
 
+  stage "2a. GPU tests: LoRA and MoE inside the decode graph, FlashInfer attention sinks"
+  capped 60 python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 45 \
+    --junitxml "$OUT/pytest-gpu-graphs.xml" tests/gpu/test_lora_graph_cuda.py \
+    tests/gpu/test_moe_sinks_cuda.py || rc=1
+
   stage "2. GPU tests: FP8 and fused ops first, then the engine (overlap loop on by default)"
-  capped $(($(left) - 180)) python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 100 \
+  capped $(($(left) - 150)) python3 -m pytest -q -rA -s -p no:cacheprovider --timeout 100 \
     --junitxml "$OUT/pytest-gpu.xml" tests/gpu/test_fp8_fused_cuda.py \
     tests/gpu/test_gpu_engine.py tests/engine/test_engine_cuda.py \
     tests/unit/test_sampler_cuda.py tests/gpu/test_gpu_server.py || rc=1

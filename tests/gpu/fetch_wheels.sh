@@ -24,6 +24,9 @@ download() {
 }
 download --no-deps flashinfer-python==0.6.13
 download --no-deps apache-tvm-ffi==0.1.15.post2
+# peft makes and runs the LoRA adapters of tests/gpu/test_lora_graph_cuda.py (its other
+# requirements, psutil/pyyaml/safetensors/huggingface_hub, come with transformers' image)
+download --no-deps peft==0.21.2 accelerate==1.16.0
 download openai==3.60.0 aiohttp==3.14.5 prometheus_client==0.26.0 jinja2==3.1.6 \
   opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
 ls -l .whl

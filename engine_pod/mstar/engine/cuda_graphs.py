@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mstar.engine.batch import DECODE_WALK
 from mstar.engine.resources.static_buffers import GrowOnlyBuffers
 from mstar.engine.resources.step import BucketKey, SlotLease
+
+if TYPE_CHECKING:
+    from mstar.engine.lora.cuda_graph_lora import GraphLoraRows
+    from mstar.engine.lora.resource import LoraPlan
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +159,9 @@ class CudaGraphRunner:
         self._pool: Any = None
         self.replays = 0
         self.eager_runs = 0
+        #: LoRA adapters served: the rows' adapter slots each (bucket, slot) reads
+        #: (`ModelRunner.setup_graphs` sets it before capture), or None
+        self.lora: GraphLoraRows | None = None
 
     @property
     def max_bs(self) -> int:
@@ -180,9 +188,10 @@ class CudaGraphRunner:
         assert lease.bucket is not None
         bs = lease.bucket.bs
         bufs = self.buffers[lease.slot]
-        return self.decoder(
-            bufs.get("input_ids", bs), positions, attn, bufs.get("logits_indices", bs)
-        )
+        with nullcontext() if self.lora is None else self.lora.bound(lease.slot, bs):
+            return self.decoder(
+                bufs.get("input_ids", bs), positions, attn, bufs.get("logits_indices", bs)
+            )
 
     # -- capture ---------------------------------------------------------------------------------
     def capture(self, plan_slot: PlanSlot) -> None:
@@ -234,12 +243,18 @@ class CudaGraphRunner:
 
     # -- replay ----------------------------------------------------------------------------------
     def run(
-        self, lease: SlotLease, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any
+        self,
+        lease: SlotLease,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: Any,
+        lora: LoraPlan | None = None,
     ) -> torch.Tensor:
         """Logits [n, vocab] of the step's real rows, from the slot's graph (or its eager twin).
 
         The resources already planned into the slot's static buffers (positions, write slots,
-        the wrapper's indices); this stages the input ids, pad rows reading token 0.
+        the wrapper's indices); this stages the input ids, pad rows reading token 0, and with
+        adapters served the rows' adapter slots from the step's ``lora`` plan.
         """
         assert lease.bucket is not None
         bs = lease.bucket.bs
@@ -247,6 +262,8 @@ class CudaGraphRunner:
         ids = self.buffers[lease.slot].get("input_ids", bs)
         ids[n:].zero_()
         ids[:n].copy_(input_ids, non_blocking=True)
+        if self.lora is not None:
+            self.lora.stage(lease.slot, bs, lora)
         captured = self._graphs.get(lease)
         if captured is None:
             self.eager_runs += 1

@@ -163,10 +163,10 @@ class LLMEngine:
         self.executor: Executor = LocalExecutor(self.model_runner)
         if ranks is not None:
             self.executor = TensorParallelExecutor(self.model_runner, ranks)
-        # Graphs hold neither the collectives nor the LoRA rows' plan (not in their buffers).
+        # Graphs hold no collectives; LoRA rows replay in them (`lora.cuda_graph_lora`).
         self.model_runner.setup_graphs(
             config.cuda_graph_batch_sizes,
-            config.enforce_eager or ranks is not None or self.lora is not None,
+            config.enforce_eager or ranks is not None,
             self.max_model_len,
         )
 

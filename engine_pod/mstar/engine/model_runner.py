@@ -39,6 +39,7 @@ from mstar.engine.cuda_graphs import (
     graphs_off_reason,
     pad_ids,
 )
+from mstar.engine.lora.cuda_graph_lora import GraphLoraRows
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.outputs import ErrorKind, RequestError
 from mstar.engine.overlap import InFlight, step_input_ids
@@ -109,6 +110,9 @@ class ModelRunner:
             log.info("CUDA graphs off (%s): every step runs eager", why)
             return why
         graphs = CudaGraphRunner(self.decoder, sizes, self.device, capture=capture)
+        if self.decoder.lora_rows is not None:  # adapters replay inside the graphs too
+            graphs.lora = GraphLoraRows(NUM_SLOTS, graphs.max_bs, self.device)
+            self.decoder.lora_rows.graph = graphs.lora
         # Static buffers are ordinary tensors (made outside inference mode), so any later
         # in-place write to them is legal whatever mode it runs in.
         self.runner.build_cuda_graph_buffers(graphs.specs(), graphs.max_bs, max_seq_len)
@@ -170,7 +174,9 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids = step_input_ids(batch, prev, self.device)
             if lease is not None and lease.bucket is not None and self.graphs is not None:
-                logits = self.graphs.run(lease, input_ids, plans[ROPE], plans[ATTN])
+                logits = self.graphs.run(
+                    lease, input_ids, plans[ROPE], plans[ATTN], plans.get(LORA)
+                )
             else:
                 # Row ends from the host (the plan's indptr is on the device: reading it syncs).
                 ends = list(itertools.accumulate(r.num_tokens for r in batch.rows))

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from mstar.kernels.flashinfer_sinks import run_with_sinks
 from mstar.kernels.flashinfer_workspace import workspace_bytes
 from mstar.kernels.paged_layout import validate_plan
 from mstar.kernels.plan_staging import Event, HostPlan, PlanStaging
@@ -294,18 +295,16 @@ class FlashInferPagedAttention:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for q [T, Hq, D] against one layer's NHD cache view (``window``: a
-        sliding-window layer's, planned in this step's ``windows``). ``sinks`` are refused:
-        the paged prefill/decode wrappers planned here take none (FlashInfer's sink attention
-        is `BatchAttentionWithAttentionSinkWrapper`, a prefill wrapper whose ``run`` takes
-        them: not wired, and not verified on a GPU here)."""
-        if sinks is not None:
-            raise ValueError("attention sinks (gpt-oss) are not supported on the FlashInfer path")
+        sliding-window layer's, planned in this step's ``windows``); ``sinks`` [Hq] (gpt-oss)
+        rescale the output by the wrapper's log-sum-exp (`flashinfer_sinks`)."""
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"planned for {self._num_tokens} query rows, got {q.shape[0]}")
         wrapper = self._wrappers.get(window)
         if wrapper is None:
             raise RuntimeError(f"FlashInfer run before plan (of window {window})")
         self.runs += 1
+        if sinks is not None:
+            return run_with_sinks(wrapper, q, kv_layer, sinks)
         out: torch.Tensor = wrapper.run(q, kv_layer)
         return out
 
@@ -414,10 +413,10 @@ class FlashInferGraphDecode:
     ) -> torch.Tensor:
         if self._wrapper is None:
             raise RuntimeError("FlashInfer graph decode run before its first plan")
-        if sinks is not None:
-            raise ValueError("attention sinks (gpt-oss) are not supported on the FlashInfer path")
         if window:
             raise ValueError("CUDA-graph decode does not run sliding-window layers")
         self.runs += 1
+        if sinks is not None:
+            return run_with_sinks(self._wrapper, q, kv_layer, sinks)
         out: torch.Tensor = self._wrapper.run(q, kv_layer)
         return out

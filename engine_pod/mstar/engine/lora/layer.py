@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engine.lora.cuda_graph_lora import GraphLoraRows, lora_add_masked
 from mstar.engine.lora.resource import LoraPlan
 from mstar.engine.model.linear import LinearMethod, LinearSpec
 from mstar.kernels.lora import lora_add_, token_slots
@@ -64,6 +65,8 @@ class LoraRows:
         self.decode: Any | None = None
         self.full: LoraSegments | None = None
         self.kept: LoraSegments | None = None
+        #: the graph decode's per-slot row buffers (`ModelRunner.setup_graphs`), or None
+        self.graph: GraphLoraRows | None = None
 
     @property
     def active(self) -> bool:
@@ -86,7 +89,9 @@ class LoraRows:
     @property
     def fused(self) -> bool:
         """This step may run `cpu_kernels.decode_layers` (no adapter rows, or the kernel adds
-        them: `fused_step`)."""
+        them: `fused_step`); never inside a graph forward, which `LoraLinear` adds to."""
+        if self.graph is not None and self.graph.current is not None:
+            return False
         return self.full is None or self.decode is not None
 
     @contextmanager
@@ -120,7 +125,8 @@ class LoraSlice:
         self.a = torch.zeros(slots, rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(slots, rank, out_features, dtype=dtype, device=device)
         self.ranks = torch.zeros(slots, dtype=torch.long)
-        self.scales = torch.zeros(slots, dtype=torch.float32)
+        # on the device: a captured graph reads them (`cuda_graph_lora`)
+        self.scales = torch.zeros(slots, dtype=torch.float32, device=device)
 
     def write(
         self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None, scale: float
@@ -158,6 +164,11 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base.forward(x)
+        graph = self.rows.graph
+        if graph is not None and graph.current is not None:  # a graph bucket's every row
+            for s in self.slices:
+                lora_add_masked(y, x, s.a, s.b, s.scales, graph.current, s.offset)
+            return y
         seg = self.rows.for_rows(x.shape[0])
         if seg is None:
             return y

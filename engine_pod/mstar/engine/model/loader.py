@@ -262,11 +262,6 @@ def load_model(
     if not folder.is_dir():
         raise ModelLoadError(f"model path is not a directory: {folder}")
     cfg = ModelConfig.from_file(folder / "config.json")
-    if cfg.attn_sinks and torch.device(device).type != "cpu":
-        raise ModelLoadError(
-            f"{cfg.family}: attention sinks run on the CPU attention paths only (the FlashInfer "
-            "plan takes none here)"
-        )
     torch_dtype = resolve_dtype(dtype)
     tokenizer = Tokenizer.from_dir(folder, extra_eos_ids=cfg.eos_token_ids, bos_id=cfg.bos_token_id)
     dev = torch.device(device)

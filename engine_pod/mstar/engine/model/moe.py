@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from mstar.engine.model.linear import DenseLinearMethod, LinearSpec
+from mstar.engine.model.moe_cuda import Experts, cuda_experts
 from mstar.kernels.cpu_gemm import PackedLinear
 from mstar.kernels.moe_experts import CpuExperts, ExpertAct, ExpertActivation, grouped_experts
 
@@ -200,6 +201,12 @@ class MoeBlock(nn.Module):
         logits = self.router_run(x)
         if self.cpu_layer is not None:
             out: torch.Tensor = self.cpu_layer.forward(x.contiguous(), logits.contiguous())
+        elif x.device.type == "cuda":  # capturable in the decode graph (`moe_cuda`)
+            weights, ids = route(logits, self.spec)
+            experts = Experts(
+                self.gate_up, self.gate_up_bias, self.down, self.down_bias, self.spec.act
+            )
+            out = cuda_experts(x, ids, weights, experts)
         else:
             weights, ids = route(logits, self.spec)
             out = grouped_experts(
