@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 import sys
@@ -52,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prestop_module.add_arguments(prestop)
     return parser
+
+
+def release_freed_heap() -> bool:
+    """Return the C heap's free pages to the OS (glibc's ``malloc_trim``; False where the C
+    library has none). Loading frees more than serving reuses (the GGUF read, the tokenizer
+    build, the conversion's float tensors) and glibc keeps freed pages resident until asked:
+    13 MiB of the stored SmolLM2 server's RSS, 29 MiB of the bf16 folder's."""
+    trim = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BackendUnavailable, RankLayoutError) as exc:
         print(f"mstar-engine: error: {exc}", file=sys.stderr)
         return 2
+    release_freed_heap()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(
         engine,
