@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -56,18 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def release_freed_heap() -> bool:
-    """Return the C heap's free pages to the OS (glibc's ``malloc_trim``; False where the C
-    library has none). Loading frees more than serving reuses (the GGUF read, the tokenizer
-    build, the conversion's float tensors) and glibc keeps freed pages resident until asked:
-    13 MiB of the stored SmolLM2 server's RSS, 29 MiB of the bf16 folder's."""
-    trim = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -98,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from mstar.engine.parallel.group import RankLayoutError
     from mstar.engine.server.app import build_app, serve
     from mstar.engine.server.async_engine import EngineThread
+    from mstar.engine.startup_memory import drop_unused_cuda_pages, release_freed_heap
     from mstar.kernels import BackendUnavailable
 
     # Built on the thread that will step it: one OpenMP team, not two, on the CPU's cores.
@@ -110,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     except (BackendUnavailable, RankLayoutError) as exc:
         print(f"mstar-engine: error: {exc}", file=sys.stderr)
         return 2
+    # What loading freed, and on CPU the CUDA libraries' pages: `mstar.engine.startup_memory`.
     release_freed_heap()
+    if engine.device.type == "cpu":
+        logging.getLogger(__name__).info(
+            "CPU engine: %d MiB of the CUDA libraries' pages dropped",
+            drop_unused_cuda_pages() >> 10,
+        )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(
         engine,
