@@ -4,7 +4,9 @@ path, and serving throughput against llama-server on the same file.
 RSS: `mstar-engine serve` started on the packaged ``SmolLM2-135M-Instruct.Q4_1.gguf``
 (``--quantization auto``, the projections kept in their blocks) and on the default model folder
 (the conversion, served bf16), the same KV pages each; after a warmup of a few completions the
-server's VmRSS (/proc/<pid>/status, the process and its children).
+server's VmRSS (/proc/<pid>/status, the process and its children). Both pairs: the default
+``--dtype auto`` (float32 activations and KV for the stored file, bf16 for the folder on a CPU
+with bf16 math) and ``--dtype bfloat16`` given to both.
 
 Serving (``--serve``): the same closed-loop client against each server in turn (mstar on the
 Q4_1 file, mstar on today's default bf16 folder, llama-server on the Q4_1 file): at each
@@ -54,7 +56,7 @@ PAGES = 512
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 11)
 
 
-def start(kind: str, model: str | None, slots: int) -> subprocess.Popen[bytes]:
+def start(kind: str, model: str | None, slots: int, dtype: str = "auto") -> subprocess.Popen[bytes]:
     log = Path(tempfile.gettempdir()) / f"mstar-bench-quant-{kind}.log"
     if kind == "llama.cpp":
         cmd = [str(llama_cpp_bin() / "llama-server"), "-m", str(model), "--alias", NAME]
@@ -65,7 +67,7 @@ def start(kind: str, model: str | None, slots: int) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "mstar.engine.cli", "serve", *([model] if model else [])]
         cmd += [f"--port={PORT}", f"--served-model-name={NAME}", f"--num-pages={PAGES}"]
         cmd += ["--log-level=warning", "--no-enable-prefix-caching", "--max-num-seqs=64"]
-        cmd += [f"--quantization={kind}"]
+        cmd += [f"--quantization={kind}", f"--dtype={dtype}"]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     wait_ready(URL, proc, log)
     return proc
@@ -103,8 +105,8 @@ async def load(concurrency: int, requests: int, max_tokens: int) -> float:
         return tokens / (time.perf_counter() - start_t)
 
 
-def rss_row(kind: str, model: str | None) -> int:
-    proc = start(kind, model, 1)
+def rss_row(kind: str, model: str | None, dtype: str) -> int:
+    proc = start(kind, model, 1, dtype)
     try:
         asyncio.run(load(2, 4, 16))
         return tree_status_bytes(proc.pid, "VmRSS")
@@ -188,12 +190,12 @@ def main() -> None:
     gguf = str(find_packaged_gguf())
     print(f"{machine()}; load {os.getloadavg()[0]:.2f}\n")
     if not args.no_rss:
-        quant = rss_row("auto", gguf)
-        dense = rss_row("none", None)
-        print("| served | VmRSS after warmup (MiB) | vs bf16 |\n|---|---:|---:|")
-        print(f"| bf16 (today's default: the converted folder) | {dense / 2**20:.0f} | 1.00 |")
-        print(f"| Q4_1 file as stored (`--quantization auto`) | {quant / 2**20:.0f} "
-              f"| {quant / dense:.2f} |")  # fmt: skip
+        print("| served | `--dtype` | VmRSS after warmup (MiB) | vs bf16 |\n|---|---|---:|---:|")
+        for dtype in ("auto", "bfloat16"):
+            dense, quant = rss_row("none", None, dtype), rss_row("auto", gguf, dtype)
+            print(f"| the default model folder (bf16) | {dtype} | {dense / 2**20:.0f} | 1.00 |")
+            print(f"| the Q4_1 file as stored | {dtype} | {quant / 2**20:.0f} "
+                  f"| {quant / dense:.2f} |")  # fmt: skip
     if args.serve:
         serve_cells(gguf, args)
     if args.offline:

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from mstar.engine.parallel.group import RankLayoutError
     from mstar.engine.server.app import build_app, serve
     from mstar.engine.server.async_engine import EngineThread
+    from mstar.engine.startup_memory import drop_unused_cuda_pages, release_freed_heap
     from mstar.kernels import BackendUnavailable
 
     # Built on the thread that will step it: one OpenMP team, not two, on the CPU's cores.
@@ -96,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     except (BackendUnavailable, RankLayoutError) as exc:
         print(f"mstar-engine: error: {exc}", file=sys.stderr)
         return 2
+    # What loading freed, and on CPU the CUDA libraries' pages: `mstar.engine.startup_memory`.
+    release_freed_heap()
+    if engine.device.type == "cpu":
+        logging.getLogger(__name__).info(
+            "CPU engine: %d MiB of the CUDA libraries' pages dropped",
+            drop_unused_cuda_pages() >> 10,
+        )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(
         engine,
