@@ -2,12 +2,14 @@
 // The rows of each slot are gathered from every segment first (a decode step interleaves the
 // adapters row by row), so each slot's A and B^T are read once per block of up to kRows rows,
 // not once per row. Shrink: v[i][j] = scale * x_i . A_j, kShrinkRows rows by kShrinkRanks ranks
-// at a time (each loaded A and x vector feeds several FMAs); expand: y_i += sum_j v[i][j] B^T_j
+// at a time (each loaded A and x vector feeds several FMAs; bf16 pairs in VDPBF16PS where the
+// level has it); expand: y_i += sum_j v[i][j] B^T_j
 // over W-column chunks with the block's kRows accumulators in registers. Sums in float32. Blocks
 // run in parallel on torch's OpenMP team when the step has enough work to pay for the fork;
 // each block writes its own rows of y, so no two threads touch one element.
 #include "lora.h"
 
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -34,24 +36,43 @@ struct Block {
 template <int NR, int NJ, typename T>
 void shrink_tile(const T* x, int64_t ldx, const int64_t* row, const T* a, int64_t k, int64_t j0,
                  int64_t rank, float scale, float* v) {
-  const int64_t vec_end = k / W * W;
   const T* xr[NR];
   for (int i = 0; i < NR; ++i) xr[i] = x + row[i] * ldx;
   const T* aj[NJ];
   for (int j = 0; j < NJ; ++j) aj[j] = a + (j0 + j) * k;
   vf acc[NR][NJ] = {};
-  for (int64_t c = 0; c < vec_end; c += W) {
-    vf av[NJ];
-    for (int j = 0; j < NJ; ++j) av[j] = load(aj[j] + c);
-    for (int i = 0; i < NR; ++i) {
-      const vf xv = load(xr[i] + c);
-      for (int j = 0; j < NJ; ++j) acc[i][j] += xv * av[j];
+  int64_t done = 0;  // the columns the vector loop summed
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // bf16 pairs straight into VDPBF16PS (32 columns an instruction, no widening); the last
+    // chunk's missing columns load as zeros
+    for (int64_t c = 0; c < k; c += 32) {
+      const auto keep = static_cast<__mmask32>(k - c >= 32 ? ~0u : (1u << (k - c)) - 1);
+      __m512bh av[NJ];
+      for (int j = 0; j < NJ; ++j) av[j] = (__m512bh)_mm512_maskz_loadu_epi16(keep, aj[j] + c);
+      for (int i = 0; i < NR; ++i) {
+        const auto xv = (__m512bh)_mm512_maskz_loadu_epi16(keep, xr[i] + c);
+        for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, av[j]);
+      }
+    }
+    done = k;
+  }
+#endif
+  if (done == 0) {
+    done = k / W * W;
+    for (int64_t c = 0; c < done; c += W) {
+      vf av[NJ];
+      for (int j = 0; j < NJ; ++j) av[j] = load(aj[j] + c);
+      for (int i = 0; i < NR; ++i) {
+        const vf xv = load(xr[i] + c);
+        for (int j = 0; j < NJ; ++j) acc[i][j] += xv * av[j];
+      }
     }
   }
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NJ; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t c = vec_end; c < k; ++c)
+      for (int64_t c = done; c < k; ++c)
         s += static_cast<float>(xr[i][c]) * static_cast<float>(aj[j][c]);
       v[i * rank + j0 + j] = scale * s;
     }
@@ -95,6 +116,11 @@ void run_block(T* y, int64_t ldy, const T* x, int64_t ldx, const LoraWeights<T>&
   const int64_t rank = w.ranks[blk.slot];
   const T* a = w.a + blk.slot * w.max_rank * w.k;
   const T* b = w.b + blk.slot * w.max_rank * w.n;
+  // the expand's B^T rows from memory while the shrink computes (a decode step's slots are
+  // cold: 8 adapters' weights do not stay in cache across layers)
+  const auto* bytes = reinterpret_cast<const char*>(b);
+  for (int64_t off = 0; off < rank * w.n * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(bytes + off, 0, 3);
   float v[kRows * 64];  // the block's shrunk rows (rank <= 64), else the heap
   std::vector<float> big;
   float* vp = v;
