@@ -72,16 +72,18 @@ def test_kernel_matches_reference(level: str, dtype: torch.dtype) -> None:
     assert torch.equal(y[:, outside], before[:, outside])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("level", [lv.name for lv in cpu_isa.supported_levels()])
-def test_kernel_blocks_of_many_rows_and_high_ranks(level: str) -> None:
+def test_kernel_blocks_of_many_rows_and_high_ranks(level: str, dtype: torch.dtype) -> None:
     """A slot's rows from non-adjacent segments, more of them than one register block holds
-    at any level, and ranks past the kernel's on-stack shrink buffer (64)."""
+    at any level, odd ranks (bf16 pairs ranks two at a time) and ranks past the kernel's
+    on-stack shrink buffer (64)."""
     lengths, seg_slots = [37, 5, 20, 1], [0, 1, 0, 2]
-    case = _case(torch.float32, [80, 67, 3], lengths, seg_slots)
+    case = _case(dtype, [80, 67, 3], lengths, seg_slots)
     x, y, a, b, ranks, scales, indptr, seg_slot = case
     want = _reference(x, y, a, b, scales, indptr, seg_slot)
     lora_add_(y, x, a, b, ranks, scales, indptr, seg_slot, OFFSET, kernels=level_kernels(level))
-    _close(y, want, torch.float32)
+    _close(y, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

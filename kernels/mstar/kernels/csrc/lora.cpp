@@ -87,14 +87,11 @@ void shrink_rows(const T* x, int64_t ldx, const int64_t* row, const T* a, int64_
   for (; j < rank; ++j) shrink_tile<NR, 1>(x, ldx, row, a, k, j, rank, scale, v);
 }
 
-// y_{row[i]} += sum_j v[i][j] B^T_j for the block's NR rows.
+// y_{row[i]} += sum_j v[i][j] B^T_j for the block's NR rows, columns c0 .. n.
 template <int NR, typename T>
-void expand(T* y, int64_t ldy, const int64_t* row, const T* b, int64_t n, int64_t rank,
-            const float* v) {
-  const int64_t vec_end = n / W * W;
-  T* yr[NR];
-  for (int i = 0; i < NR; ++i) yr[i] = y + row[i] * ldy;
-  for (int64_t c = 0; c < vec_end; c += W) {
+void expand(T* const* yr, const T* b, int64_t n, int64_t rank, const float* v, int64_t c0) {
+  int64_t c = c0;
+  for (; c + W <= n; c += W) {
     vf acc[NR] = {};
     for (int64_t j = 0; j < rank; ++j) {
       const vf bj = load(b + j * n + c);
@@ -102,12 +99,83 @@ void expand(T* y, int64_t ldy, const int64_t* row, const T* b, int64_t n, int64_
     }
     for (int i = 0; i < NR; ++i) store(yr[i] + c, load(yr[i] + c) + acc[i]);
   }
-  for (int64_t c = vec_end; c < n; ++c)
+  for (; c < n; ++c)
     for (int i = 0; i < NR; ++i) {
       float acc = 0.f;
       for (int64_t j = 0; j < rank; ++j) acc += v[i * rank + j] * static_cast<float>(b[j * n + c]);
       yr[i][c] = static_cast<T>(static_cast<float>(yr[i][c]) + acc);
     }
+}
+
+#if defined(__AVX512BF16__)
+// VDPBF16PS's pairs from rows j, j + 1 of B^T: lane 2t from the first row's column t, lane
+// 2t + 1 from the second's (kPairLo: columns 0 .. 15 of a 32-column chunk, kPairHi: 16 .. 31).
+alignas(64) constexpr int16_t kPairLo[32] = {
+    0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr int16_t kPairHi[32] = {
+    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+// The bf16 expand of NG (<= 8) rows over whole 32-column chunks: two ranks an instruction, v
+// rounded to bf16 (as a bf16 model's lora_A output is); an odd last rank in float32. Returns
+// the columns done.
+template <int NG>
+int64_t expand_pairs(c10::BFloat16* const* yr, const c10::BFloat16* b, int64_t n, int64_t rank,
+                     const float* v) {
+  const int64_t pairs = rank / 2, cols = n / 32 * 32;
+  std::vector<uint32_t> vp(static_cast<size_t>(NG * pairs));
+  for (int i = 0; i < NG; ++i)
+    for (int64_t p = 0; p < pairs; ++p)
+      vp[i * pairs + p] = c10::BFloat16(v[i * rank + 2 * p]).x |
+                          static_cast<uint32_t>(c10::BFloat16(v[i * rank + 2 * p + 1]).x) << 16;
+  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
+  for (int64_t c = 0; c < cols; c += 32) {
+    vf acc[NG][2] = {};
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512i r0 = _mm512_loadu_si512(b + 2 * p * n + c);
+      const __m512i r1 = _mm512_loadu_si512(b + (2 * p + 1) * n + c);
+      const auto lo = (__m512bh)_mm512_permutex2var_epi16(r0, lo_idx, r1);
+      const auto hi = (__m512bh)_mm512_permutex2var_epi16(r0, hi_idx, r1);
+      for (int i = 0; i < NG; ++i) {
+        const auto vb = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[i * pairs + p]));
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], vb, lo);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], vb, hi);
+      }
+    }
+    if (rank % 2 == 1) {
+      const c10::BFloat16* last = b + (rank - 1) * n + c;
+      const vf b0 = load(last), b1 = load(last + 16);
+      for (int i = 0; i < NG; ++i) {
+        acc[i][0] += v[i * rank + rank - 1] * b0;
+        acc[i][1] += v[i * rank + rank - 1] * b1;
+      }
+    }
+    for (int i = 0; i < NG; ++i) {
+      store(yr[i] + c, load(yr[i] + c) + acc[i][0]);
+      store(yr[i] + c + 16, load(yr[i] + c + 16) + acc[i][1]);
+    }
+  }
+  return cols;
+}
+#endif
+
+// The block's expand: bf16 pairs where the level has VDPBF16PS (8 rows at a time, within the
+// register file), the rest (and every other case) in float32.
+template <int NR, typename T>
+void expand_rows(T* const* yr, const T* b, int64_t n, int64_t rank, const float* v) {
+  int64_t c0 = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (NR > 8) {
+      expand_pairs<8>(yr, b, n, rank, v);
+      c0 = expand_pairs<NR - 8>(yr + 8, b, n, rank, v + 8 * rank);
+    } else {
+      c0 = expand_pairs<NR>(yr, b, n, rank, v);
+    }
+  }
+#endif
+  expand<NR>(yr, b, n, rank, v, c0);
 }
 
 template <int NR, typename T>
@@ -134,7 +202,9 @@ void run_block(T* y, int64_t ldy, const T* x, int64_t ldx, const LoraWeights<T>&
                              vp + i * rank);
   for (; i < NR; ++i)
     shrink_rows<1>(x, ldx, blk.row + i, a, w.k, rank, w.scales[blk.slot], vp + i * rank);
-  expand<NR>(y, ldy, blk.row, b, w.n, rank, vp);
+  T* yr[NR];
+  for (int j = 0; j < NR; ++j) yr[j] = y + blk.row[j] * ldy;
+  expand_rows<NR>(yr, b, w.n, rank, vp);
 }
 
 // run_block<blk.rows>: the row count fixed at compile time keeps the tiles in registers.
