@@ -2,11 +2,11 @@
 // The rows of each slot are gathered from every segment first (a decode step interleaves the
 // adapters row by row), so each slot's A and B^T are read once per block of up to kRows rows,
 // not once per row. Shrink: v[i][j] = scale * x_i . A_j, kShrinkRows rows by kShrinkRanks ranks
-// at a time (each loaded A and x vector feeds several FMAs; bf16 pairs in VDPBF16PS where the
-// level has it); expand: y_i += sum_j v[i][j] B^T_j
-// over W-column chunks with the block's kRows accumulators in registers. Sums in float32. Blocks
-// run in parallel on torch's OpenMP team when the step has enough work to pay for the fork;
-// each block writes its own rows of y, so no two threads touch one element.
+// at a time (each loaded A and x vector feeds several FMAs); expand: y_i += sum_j v[i][j] B^T_j
+// over W-column chunks with the block's kRows accumulators in registers. bf16 on AVX512-BF16
+// takes both in VDPBF16PS pairs. Sums in float32. Blocks run in parallel on torch's OpenMP team
+// when the step has enough work to pay for the fork; each block writes its own rows of y, so no
+// two threads touch one element.
 #include "lora.h"
 
 #include <type_traits>
