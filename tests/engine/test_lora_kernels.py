@@ -18,20 +18,26 @@ LENGTHS = [3, 1, 7, 1, 1, 9, 2]
 SEG_SLOTS = [0, -1, 2, 3, 0, 3, -1]
 
 
-def _case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _case(
+    dtype: torch.dtype,
+    ranks: list[int] = RANKS,
+    lengths: list[int] = LENGTHS,
+    seg_slots: list[int] = SEG_SLOTS,
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(0)
-    rows = sum(LENGTHS)
+    rows = sum(lengths)
     x = torch.randn(rows, K, generator=gen).to(dtype)
     y = torch.randn(rows, WIDTH, generator=gen).to(dtype)
-    a = torch.zeros(SLOTS, MAX_RANK, K)
-    b = torch.zeros(SLOTS, MAX_RANK, N)
-    for s, r in enumerate(RANKS):  # rows past a slot's rank are zero, as the pool writes them
+    max_rank = max(MAX_RANK, *ranks)
+    a = torch.zeros(len(ranks), max_rank, K)
+    b = torch.zeros(len(ranks), max_rank, N)
+    for s, r in enumerate(ranks):  # rows past a slot's rank are zero, as the pool writes them
         a[s, :r] = torch.randn(r, K, generator=gen) * 0.3
         b[s, :r] = torch.randn(r, N, generator=gen) * 0.3
-    ranks = torch.tensor(RANKS, dtype=torch.long)
-    scales = torch.tensor([0.5, 2.0, 1.5, 0.25])
-    indptr = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.long)
-    return x, y, a.to(dtype), b.to(dtype), ranks, scales, indptr, torch.tensor(SEG_SLOTS)
+    scales = torch.tensor([0.5, 2.0, 1.5, 0.25][: len(ranks)])
+    indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)
+    rank_t = torch.tensor(ranks, dtype=torch.long)
+    return x, y, a.to(dtype), b.to(dtype), rank_t, scales, indptr, torch.tensor(seg_slots)
 
 
 def _reference(*case: torch.Tensor) -> torch.Tensor:
@@ -64,6 +70,20 @@ def test_kernel_matches_reference(level: str, dtype: torch.dtype) -> None:
     outside = torch.ones(WIDTH, dtype=torch.bool)
     outside[OFFSET : OFFSET + N] = False
     assert torch.equal(y[:, outside], before[:, outside])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("level", [lv.name for lv in cpu_isa.supported_levels()])
+def test_kernel_blocks_of_many_rows_and_high_ranks(level: str, dtype: torch.dtype) -> None:
+    """A slot's rows from non-adjacent segments, more of them than one register block holds
+    at any level, odd ranks (bf16 pairs ranks two at a time) and ranks past the kernel's
+    on-stack shrink buffer (64)."""
+    lengths, seg_slots = [37, 5, 20, 1], [0, 1, 0, 2]
+    case = _case(dtype, [80, 67, 3], lengths, seg_slots)
+    x, y, a, b, ranks, scales, indptr, seg_slot = case
+    want = _reference(x, y, a, b, scales, indptr, seg_slot)
+    lora_add_(y, x, a, b, ranks, scales, indptr, seg_slot, OFFSET, kernels=level_kernels(level))
+    _close(y, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
