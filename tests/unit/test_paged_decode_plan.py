@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_cases import decode_case
 
 from mstar.kernels.paged_groups import decode_group
 from mstar.kernels.paged_layout import decode_rows, validate_plan
-
-from paged_cases import decode_case
 
 
 @pytest.mark.parametrize("lens", [[1], [37], [16, 5, 64, 1, 33]])
