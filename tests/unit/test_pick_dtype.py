@@ -3,8 +3,14 @@ stored there; explicit dtypes are honoured as given."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from mstar.engine import engine
 from mstar.engine.config import EngineConfig
@@ -59,20 +65,44 @@ def test_explicit_dtype_wins(monkeypatch, name):
     assert engine._pick_dtype(name, torch.device("cpu")) == getattr(torch, name)
 
 
-def test_auto_for_a_gguf_served_as_stored_is_float32_on_cpu(monkeypatch):
+def _write_gguf(path: Path, qtype: GGMLQuantizationType) -> str:
+    """A GGUF whose one matrix is stored as ``qtype``, beside an F32 norm."""
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    data = np.random.default_rng(0).standard_normal((32, 64), dtype=np.float32)
+    raw = quantize(data, qtype)
+    w.add_tensor("blk.0.attn_q.weight", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_auto_for_a_gguf_served_as_stored_is_float32_on_cpu(monkeypatch, tmp_path):
     """Stored blocks read the same bytes whatever the activations: float32 keeps a prompt's
     logits the dequantized model's. A GGUF the loader dequantizes gets bf16 as before."""
     monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: True)
     cpu = torch.device("cpu")
+    quantized = _write_gguf(tmp_path / "m.Q8_0.gguf", GGMLQuantizationType.Q8_0)
     for config, stored in (
         (EngineConfig(), True),  # --model naming a GGUF, flags at their defaults
         (EngineConfig(quantization="none"), False),
         (EngineConfig(deterministic=True), False),
         (EngineConfig(tensor_parallel_size=2), False),
     ):
-        assert engine._serves_stored(config, "/m/SmolLM2.Q4_1.gguf", cpu) is stored
+        assert engine._serves_stored(config, quantized, cpu) is stored
         want = torch.float32 if stored else torch.bfloat16
         assert engine._pick_dtype("auto", cpu, stored=stored) == want
     assert not engine._serves_stored(EngineConfig(), "/m/folder", cpu)
     assert engine._pick_dtype("auto", torch.device("cuda"), stored=True) == torch.bfloat16
     assert engine._pick_dtype("bfloat16", cpu, stored=True) == torch.bfloat16
+
+
+def test_auto_for_a_gguf_of_plain_tensors_is_bf16_on_cpu(monkeypatch, tmp_path):
+    """A BF16 GGUF (llama-quantize's BF16 of a Q4_K_M file) holds no blocks to keep: it is
+    dequantized like any checkpoint, so it gets the faster bf16, not stored blocks' float32."""
+    monkeypatch.setattr(engine, "cpu_prefers_bf16", lambda kernels: True)
+    cpu = torch.device("cpu")
+    plain = _write_gguf(tmp_path / "m.BF16.gguf", GGMLQuantizationType.BF16)
+    assert not engine._serves_stored(EngineConfig(), plain, cpu)

@@ -25,6 +25,7 @@ from mstar.engine.model.config import ModelConfig
 from mstar.engine.model.cuda_ops import attach_fused_glue_ops
 from mstar.engine.model.decoder import Decoder
 from mstar.engine.model.gguf_convert import default_model
+from mstar.engine.model.gguf_quant import PLAIN, scan
 from mstar.engine.model.loader import load_model, stored_gguf_refusal
 from mstar.engine.model.tokenizer import Tokenizer
 from mstar.engine.model_runner import ModelRunner
@@ -370,7 +371,8 @@ def _pick_dtype(name: str, device: torch.device, *, stored: bool = False) -> tor
 
 def _serves_stored(config: EngineConfig, path: str, device: torch.device) -> bool:
     """Whether ``path`` is a GGUF file the loader will keep in its blocks (its refusals
-    before a dtype is chosen: `loader.stored_gguf_refusal`)."""
+    before a dtype is chosen: `loader.stored_gguf_refusal`). A file of plain tensors only (a
+    BF16 or F32 GGUF) keeps nothing in blocks: it is served like a checkpoint folder."""
     return (
         path.endswith(".gguf")
         and config.quantization == "auto"
@@ -382,6 +384,7 @@ def _serves_stored(config: EngineConfig, path: str, device: torch.device) -> boo
             deterministic=config.deterministic,
         )
         is None
+        and any(qtype not in PLAIN for _, qtype, _, _ in scan(path)[1])
     )
 
 

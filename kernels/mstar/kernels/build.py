@@ -45,6 +45,7 @@ CSRC = Path(__file__).parent / "csrc"
 #: compiled into every level; bindings.cpp is compiled once and linked into each
 KERNEL_SOURCES = (
     "attention.cpp",
+    "attention_prefill.cpp",
     "glue.cpp",
     "sampling.cpp",
     "gemm_amx.cpp",
@@ -56,7 +57,14 @@ KERNEL_SOURCES = (
     "lora.cpp",
 )
 #: the tensor side, compiled once and linked into every level (torch's headers are slow)
-BINDINGS = ("bindings.cpp", "moe_bindings.cpp", "moe_decode.cpp", "lora_bindings.cpp")
+BINDINGS = (
+    "bindings.cpp",
+    "gemm_bindings.cpp",
+    "decode_bindings.cpp",
+    "moe_bindings.cpp",
+    "moe_decode.cpp",
+    "lora_bindings.cpp",
+)
 #: the prefix of each level's library and Python module name (`module_name`)
 MODULE = "mstar_cpu_kernels"
 #: overrides the cache's location (default: $XDG_CACHE_HOME or ~/.cache, then mstar/kernels)

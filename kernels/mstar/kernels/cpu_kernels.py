@@ -48,7 +48,7 @@
   above in the order `DecoderLayer.forward` calls them (the same bits): at batch 1 the ~25
   Python dispatches per layer around them were ~15% of a step. Llama's block and what Qwen3
   and Gemma 3 add to it (q/k norm, sandwich norms, GELU-tanh, per-layer RoPE table, window
-  and KV group: `DecodeLayout` in bindings.cpp).
+  and KV group: `DecodeLayout` in decode_loop.h).
 
 These are per-layer ops on small tensors in a decode step, where dispatch and passes over memory
 cost more than the arithmetic: SmolLM2 at batch 32 ran ~20 of them per layer around the GEMMs.

@@ -38,9 +38,16 @@ import torch.nn.functional as F
 
 from mstar.kernels import cpu_kernels
 from mstar.kernels.attention_sinks import attend_with_sinks, softmax_with_sinks
-from mstar.kernels.paged_groups import PaddedGroup, build_group, decode_group, group_mask
+from mstar.kernels.paged_groups import (
+    PaddedGroup,
+    build_group,
+    decode_group,
+    group_mask,
+    padded_decode,
+)
 from mstar.kernels.paged_layout import (
     KernelDecodeStep,
+    decode_rows,
     kv_lengths,
     kv_row_ids,
     per_query_rows,
@@ -148,9 +155,13 @@ class TorchPagedAttention:
         window's mask or row group is built at its first ``run``)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} not a multiple of {num_kv_heads}")
-        q_lens, kv_lens = validate_plan(
+        decode = None if self.deterministic else decode_rows(
             qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size
-        )
+        )  # fmt: skip
+        if decode is None:
+            q_lens, kv_lens = validate_plan(
+                qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size
+            )
         if self.deterministic:
             if not cpu_kernels.supports_head_dim(head_dim):
                 raise ValueError(f"deterministic attention: no kernel for head_dim {head_dim}")
@@ -171,10 +182,15 @@ class TorchPagedAttention:
         self._page_size = page_size
         self._scale = head_dim**-0.5 if sm_scale is None else sm_scale
         self._causal = causal
+        self._csr = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        self._rows = None
+        if decode is not None:
+            lens, table = decode
+            self._num_tokens = lens.shape[0]
+            self._groups = [padded_decode(table, lens, self.device)]
+            return
         qo = qo_indptr.to(torch.int64).cpu()
         kvp = kv_indptr.to(torch.int64).cpu()
-        self._csr = (qo, kvp, kv_indices.to(torch.int64).cpu(), kv_last_page_len.cpu())
-        self._rows = None
         self._num_tokens = int(qo[-1]) if qo.numel() else 0
         q_lens, kv_lens = q_lens.cpu(), kv_lens.cpu()
         if 0 < q_lens.shape[0] == self._num_tokens and bool((q_lens == 1).all()):
@@ -206,7 +222,7 @@ class TorchPagedAttention:
     def _rows_group(self) -> PaddedGroup:
         """This step's query rows, each a one-query sequence over the keys it sees."""
         if self._rows is None:
-            qo, kvp, idx, last = self._csr
+            qo, kvp, idx, last = (t.to(torch.int64).cpu() for t in self._csr)
             _, rows_kvp, rows_idx, rows_last = per_query_rows(
                 qo, kvp, idx, last, self._page_size, self._causal
             )

@@ -44,13 +44,20 @@ def decode_group(
     """Every sequence one query, row b sequence b: `build_group`'s tensors in a third of
     its ops (a decode step's attention plan was ~5% of a batch-1 step)."""
     n_pages = kvp[1:] - kvp[:-1]
-    pages_max = int(n_pages.max())
-    j = torch.arange(pages_max)
+    j = torch.arange(int(n_pages.max()))
     page_pos = kvp[:-1, None] + torch.minimum(j[None, :], (n_pages - 1)[:, None])
-    batch = kv_lens.shape[0]
+    return padded_decode(kv_indices[page_pos], kv_lens, dev)
+
+
+def padded_decode(
+    page_table: torch.Tensor, kv_lens: torch.Tensor, dev: torch.device
+) -> PaddedGroup:
+    """`decode_group` from its page table (int64 [B, pages_max], padded with each row's last
+    page) and kv_lens (int64 [B])."""
+    batch, pages_max = page_table.shape
     rows = torch.arange(batch, device=dev)
     return PaddedGroup(
-        page_table=kv_indices[page_pos].reshape(-1).to(dev),
+        page_table=page_table.reshape(-1).to(dev),
         kv_lens=kv_lens.to(dev),
         masks={},
         q_rows=rows,

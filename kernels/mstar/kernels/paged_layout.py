@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from mstar.kernels import cpu_kernels
@@ -75,6 +76,33 @@ def validate_plan(
     if bool(((last < 1) | (last > page_size)).any()):
         raise ValueError(f"kv_last_page_len must be in [1, {page_size}]")
     raise ValueError("a sequence has more queries than KV tokens (write K/V before attending)")
+
+
+def decode_rows(
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A valid decode-only plan on the CPU (sequence b is query row b) as (kv_lens int64 [B],
+    page table int64 [B, pages_max], each row padded with its last page), or None: the general
+    path plans it (`validate_plan` names what is wrong). `validate_plan` + `decode_group` in
+    numpy, ~10 small ops against ~50 torch ones: a hybrid model plans every KV group each step
+    (Gemma 3 270M: 6 groups, ~0.6 ms of an 18 ms batch-1 step before)."""
+    arrays = (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+    if any(t.device.type != "cpu" for t in arrays):
+        return None
+    qo, kvp, idx, last = (t.numpy() for t in arrays)
+    n = last.shape[0]
+    if not 0 < n == qo.shape[0] - 1 == kvp.shape[0] - 1 or qo[0] != 0 or kvp[-1] > idx.shape[0]:
+        return None
+    n_pages = kvp[1:].astype(np.int64) - kvp[:-1]
+    if ((qo[1:] - qo[:-1] != 1) | (n_pages < 1) | (last < 1) | (last > page_size)).any():
+        return None
+    kv_lens = (n_pages - 1) * page_size + last
+    pos = kvp[:-1, None] + np.minimum(np.arange(n_pages.max()), n_pages[:, None] - 1)
+    return torch.from_numpy(kv_lens), torch.from_numpy(idx[pos].astype(np.int64))
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <utility>
 
+#include "glue_ops.h"  // small_linear (gemm_bindings.cpp)
 #include "moe_ops.h"
 
 namespace {

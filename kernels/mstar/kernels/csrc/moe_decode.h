@@ -64,7 +64,3 @@ class MoeDecode {
 bool moe_decode_mlp_(at::Tensor& x, int64_t layer);
 // decode_layers' attention sinks for layer `layer` (None where no `MoeDecode` gives any).
 std::optional<at::Tensor> moe_decode_sinks_(int64_t layer);
-
-// bindings.cpp's GEMM over a small-batch packed weight (the kernel told by its layout's rank).
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                        const std::optional<at::Tensor>& bias);
