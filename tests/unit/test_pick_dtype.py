@@ -105,5 +105,5 @@ def test_kv_cache_dtype_flag_and_its_refusals():
         EngineConfig(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="--kv-cache-dtype: not served with --tensor-parallel"):
         EngineConfig(kv_cache_dtype="bfloat16", tensor_parallel_size=2)
-    with pytest.raises(BackendUnavailable, match="--kv-cache-dtype bfloat16: .* on CPU only"):
+    with pytest.raises(BackendUnavailable, match=r"--kv-cache-dtype bfloat16: .* on CPU only"):
         engine._pick_kv_dtype("bfloat16", torch.float32, torch.device("cuda"), stored=False)

@@ -190,8 +190,9 @@ def test_engine_serves_gguf_quantized(tmp_path, monkeypatch):
 
 def test_stored_gguf_kv_cache_is_bf16_beside_float32_activations(tmp_path, monkeypatch, caplog):
     """`--kv-cache-dtype auto` on a stored GGUF under float32 activations: a bf16 cache (half
-    the bytes, as llama.cpp's default f16 one), each step's logits within bf16 rounding of the
-    float32 cache's (q, k, v rounded to bf16 before attention) and not equal to them, the same greedy tokens on this prompt."""
+    the bytes, as llama.cpp's default f16 one); q, k, v rounded to bf16 before attention give
+    each step's logits close to the float32 cache's and not equal to them, and the same greedy
+    tokens on this prompt."""
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "q.gguf"
     write_tiny_gguf(path, "qwen3", qtypes=QTYPES["qwen3"])
