@@ -49,7 +49,8 @@ class EngineConfig:
     dtype: str = field(
         default="auto",
         metadata=_flag(
-            "Weight and KV dtype. auto: bfloat16 on CUDA, on CPUs with native bf16 math "
+            "Weight and activation dtype (the KV cache's too, unless --kv-cache-dtype says). "
+            "auto: bfloat16 on CUDA, on CPUs with native bf16 math "
             "(AVX512-BF16 or AMX) and on CPUs with FMA where the C++ kernels load (their bf16 "
             "GEMM reads half the bytes per token of float32: the faster choice); float32 "
             "where the kernels are off, and for a GGUF served as stored on CPU (its blocks read "
