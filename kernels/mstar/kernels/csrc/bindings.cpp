@@ -465,6 +465,28 @@ struct DecodeLayout {
   }
 };
 
+// dst [T, N] (contiguous) = the first N columns of src's rows, converted between float32 and
+// bf16 as torch's `.to()` does (bf16: round to nearest even); returns dst.
+const torch::Tensor& convert_rows(const torch::Tensor& src, const torch::Tensor& dst) {
+  const int64_t rows = dst.size(0), n = dst.size(1), stride = src.stride(0);
+  TORCH_CHECK(src.stride(1) == 1 && src.size(1) >= n && dst.is_contiguous(),
+              "decode_layers: KV cast rows");
+  if (src.scalar_type() == torch::kFloat32 && dst.scalar_type() == torch::kBFloat16) {
+    const float* s = src.data_ptr<float>();
+    auto* d = dst.data_ptr<c10::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < n; ++j) d[r * n + j] = c10::BFloat16(s[r * stride + j]);
+  } else if (src.scalar_type() == torch::kBFloat16 && dst.scalar_type() == torch::kFloat32) {
+    const auto* s = src.data_ptr<c10::BFloat16>();
+    float* d = dst.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < n; ++j) d[r * n + j] = static_cast<float>(s[r * stride + j]);
+  } else {
+    TORCH_CHECK(false, "decode_layers: the KV cache must be float32 or bfloat16");
+  }
+  return dst;
+}
+
 // The layer loop of a fused decode step: per layer add+RMSNorm, QKV, q/k norm, RoPE, the K/V
 // write, paged decode attention, O, (post-attention norm,) add+RMSNorm, gate/up, act*up, down
 // (, post-feed-forward norm): the same kernels in the same order as `DecoderLayer.forward`
@@ -481,8 +503,14 @@ std::vector<torch::Tensor> run_decode_layers(
   const auto layers = static_cast<int64_t>(norm_in.size());
   const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
   const int64_t qk_heads = num_heads + num_kv_heads;
-  // `--kv-cache-dtype`: the attention lines cast as `PagedAttentionContext.attend` does.
+  // `--kv-cache-dtype`: the attention lines cast as `PagedAttentionContext.attend` does, into
+  // buffers every layer reuses (per-layer `.to()` calls cost ~9% of a batch-1 step)
   const bool cast_kv = cache.scalar_type() != x.scalar_type();
+  torch::Tensor qkv_cast, attn_cast;
+  if (cast_kv) {
+    qkv_cast = torch::empty({t, q_size + 2 * kv_size}, cache.options());
+    attn_cast = torch::empty({t, q_size}, x.options());
+  }
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t* in = layout.ints.data() + 4 * i;
     const int64_t rope = in[0], window = in[1], group = in[2];
@@ -494,19 +522,18 @@ std::vector<torch::Tensor> run_decode_layers(
     if (norm[1]) rms_norm_(qk.narrow(1, num_heads, num_kv_heads), *norm[1], eps);
     rope_(qk, layout.cos[rope], layout.sin[rope]);
     const auto kv_layer = cache.select(0, in[3]);
-    auto q = qk.narrow(1, 0, num_heads);
-    auto k = qk.narrow(1, num_heads, num_kv_heads);
-    auto v = fused.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim});
-    if (cast_kv) {  // a bf16 cache under float32 activations: q, k, v rounded to its dtype
-      q = q.to(cache.scalar_type());
-      k = k.to(cache.scalar_type());
-      v = v.to(cache.scalar_type());
-    }
+    // a bf16 cache under float32 activations: q, k, v rounded to its dtype
+    if (cast_kv) convert_rows(fused, qkv_cast);
+    const auto& qkv = cast_kv ? qkv_cast : fused;
+    const auto q = qkv.narrow(1, 0, q_size).view({t, num_heads, dim});
+    const auto k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, dim});
+    const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim});
     write_kv(kv_layer, k, v, layout.slots[group]);
     auto attn = paged_decode(q, kv_layer, layout.page_tables[group], layout.kv_lens[group],
-                             scale, window, c10::nullopt);
-    if (cast_kv) attn = attn.to(x.scalar_type());
-    x = proj(attn.view({t, q_size}), i, 1);
+                             scale, window, c10::nullopt)
+                    .view({t, q_size});
+    if (cast_kv) attn = convert_rows(attn, attn_cast);
+    x = proj(attn, i, 1);
     if (norm[2]) rms_norm_(x, *norm[2], eps);
     add_rms_norm_(x, residual, norm_post[i], eps);
     const auto act = act_mul(proj(x, i, 2), layout.gelu, "decode_layers");
