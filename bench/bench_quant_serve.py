@@ -5,8 +5,9 @@ RSS: `mstar-engine serve` started on the packaged ``SmolLM2-135M-Instruct.Q4_1.g
 (``--quantization auto``, the projections kept in their blocks) and on the default model folder
 (the conversion, served bf16), the same KV pages each; after a warmup of a few completions the
 server's VmRSS (/proc/<pid>/status, the process and its children). Both pairs: the default
-``--dtype auto`` (float32 activations and KV for the stored file, bf16 for the folder on a CPU
-with bf16 math) and ``--dtype bfloat16`` given to both.
+``--dtype auto`` (float32 activations and, by ``--kv-cache-dtype auto``, a bf16 KV cache for the
+stored file, bf16 for the folder on a CPU with bf16 math; the stored file's float32 cache as a
+third row) and ``--dtype bfloat16`` given to both.
 
 Serving (``--serve``): the same closed-loop client against each server in turn (mstar on the
 Q4_1 file, mstar on today's default bf16 folder, llama-server on the Q4_1 file): at each
@@ -56,7 +57,9 @@ PAGES = 512
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 11)
 
 
-def start(kind: str, model: str | None, slots: int, dtype: str = "auto") -> subprocess.Popen[bytes]:
+def start(
+    kind: str, model: str | None, slots: int, dtype: str = "auto", kv: str = "auto"
+) -> subprocess.Popen[bytes]:
     log = Path(tempfile.gettempdir()) / f"mstar-bench-quant-{kind}.log"
     if kind == "llama.cpp":
         cmd = [str(llama_cpp_bin() / "llama-server"), "-m", str(model), "--alias", NAME]
@@ -67,7 +70,7 @@ def start(kind: str, model: str | None, slots: int, dtype: str = "auto") -> subp
         cmd = [sys.executable, "-m", "mstar.engine.cli", "serve", *([model] if model else [])]
         cmd += [f"--port={PORT}", f"--served-model-name={NAME}", f"--num-pages={PAGES}"]
         cmd += ["--log-level=warning", "--no-enable-prefix-caching", "--max-num-seqs=64"]
-        cmd += [f"--quantization={kind}", f"--dtype={dtype}"]
+        cmd += [f"--quantization={kind}", f"--dtype={dtype}", f"--kv-cache-dtype={kv}"]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     wait_ready(URL, proc, log)
     return proc
@@ -105,8 +108,8 @@ async def load(concurrency: int, requests: int, max_tokens: int) -> float:
         return tokens / (time.perf_counter() - start_t)
 
 
-def rss_row(kind: str, model: str | None, dtype: str) -> int:
-    proc = start(kind, model, 1, dtype)
+def rss_row(kind: str, model: str | None, dtype: str, kv: str = "auto") -> int:
+    proc = start(kind, model, 1, dtype, kv)
     try:
         asyncio.run(load(2, 4, 16))
         return tree_status_bytes(proc.pid, "VmRSS")
@@ -196,6 +199,10 @@ def main() -> None:
             print(f"| the default model folder (bf16) | {dtype} | {dense / 2**20:.0f} | 1.00 |")
             print(f"| the Q4_1 file as stored | {dtype} | {quant / 2**20:.0f} "
                   f"| {quant / dense:.2f} |")  # fmt: skip
+            if dtype == "auto":  # the float32 cache auto chose before --kv-cache-dtype
+                f32 = rss_row("auto", gguf, dtype, "float32")
+                print(f"| the Q4_1 file as stored, `--kv-cache-dtype float32` | {dtype} "
+                      f"| {f32 / 2**20:.0f} | {f32 / dense:.2f} |")  # fmt: skip
     if args.serve:
         serve_cells(gguf, args)
     if args.offline:

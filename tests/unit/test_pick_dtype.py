@@ -1,8 +1,10 @@
 """`--dtype auto` takes bf16 where it is the faster dtype on the CPU, float32 for a GGUF served as
-stored there; explicit dtypes are honoured as given."""
+stored there; explicit dtypes are honoured as given. `--kv-cache-dtype auto`: bf16 beside the
+stored GGUF's float32 activations, else the activations' dtype."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import gguf
@@ -13,8 +15,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from mstar.engine import engine
-from mstar.engine.config import EngineConfig
-from mstar.kernels import cpu_gemm, cpu_isa
+from mstar.engine.config import EngineConfig, add_cli_args, from_namespace, to_cli_args
+from mstar.kernels import BackendUnavailable, cpu_gemm, cpu_isa
 
 
 @pytest.mark.parametrize(("faster", "want"), [(True, torch.bfloat16), (False, torch.float32)])
@@ -106,3 +108,31 @@ def test_auto_for_a_gguf_of_plain_tensors_is_bf16_on_cpu(monkeypatch, tmp_path):
     cpu = torch.device("cpu")
     plain = _write_gguf(tmp_path / "m.BF16.gguf", GGMLQuantizationType.BF16)
     assert not engine._serves_stored(EngineConfig(), plain, cpu)
+
+
+def test_kv_cache_dtype_auto_is_bf16_for_stored_float32_on_cpu(caplog):
+    """llama.cpp's default 16-bit cache beside float32 activations, for a stored GGUF only;
+    every other engine keeps its activations' dtype (the float32 exactness tests' cache)."""
+    cpu, f32, bf16 = torch.device("cpu"), torch.float32, torch.bfloat16
+    with caplog.at_level("INFO", logger="mstar.engine.engine"):
+        assert engine._pick_kv_dtype("auto", f32, cpu, stored=True) == bf16
+    assert "KV cache: bfloat16 (auto: a GGUF served as stored" in caplog.text
+    assert engine._pick_kv_dtype("auto", f32, cpu, stored=False) == f32
+    assert engine._pick_kv_dtype("auto", bf16, cpu, stored=True) == bf16
+    assert engine._pick_kv_dtype("auto", bf16, torch.device("cuda"), stored=False) == bf16
+    assert engine._pick_kv_dtype("float32", f32, cpu, stored=True) == f32
+    assert engine._pick_kv_dtype("bfloat16", f32, cpu, stored=False) == bf16
+
+
+def test_kv_cache_dtype_flag_and_its_refusals():
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    cfg = EngineConfig(kv_cache_dtype="bfloat16")
+    assert from_namespace(parser.parse_args(to_cli_args(cfg))) == cfg
+    assert "KV cache dtype" in parser.format_help()
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, bfloat16, float32"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype: not served with --tensor-parallel"):
+        EngineConfig(kv_cache_dtype="bfloat16", tensor_parallel_size=2)
+    with pytest.raises(BackendUnavailable, match=r"--kv-cache-dtype bfloat16: .* on CPU only"):
+        engine._pick_kv_dtype("bfloat16", torch.float32, torch.device("cuda"), stored=False)

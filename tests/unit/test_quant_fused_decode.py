@@ -1,11 +1,11 @@
 """A decode step over GGUF blocks in one `cpu_kernels.quant_decode_layers` call: the bits of
 the layer-by-layer `QuantLinear` path, on every ISA level this CPU runs (the x86-64 baseline's
-plain C++ dots included), float32 and bf16, for a tiny Llama (one type per projection), a
-Qwen2 (QKV biases; Q, K, V stored in different types, so QKV is several parts), a Qwen3 (q/k
-norm) and a Gemma 3 (q/k norm, 1 + w sandwich norms, GELU-tanh, sliding-window layers on
-their local RoPE base; mixed QKV types), at 1, 6 and 19 rows (the 4-row kernel and the batched
-tiles). Two threads: the fused call splits its columns over every part at once, the layer path
-part by part."""
+plain C++ dots included), float32 (over auto's bf16 KV cache, and over a float32 one) and bf16,
+for a tiny Llama (one type per projection), a Qwen2 (QKV biases; Q, K, V stored in different
+types, so QKV is several parts), a Qwen3 (q/k norm) and a Gemma 3 (q/k norm, 1 + w sandwich
+norms, GELU-tanh, sliding-window layers on their local RoPE base; mixed QKV types), at 1, 6
+and 19 rows (the 4-row kernel and the batched tiles). Two threads: the fused call splits its
+columns over every part at once, the layer path part by part."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from mstar.engine.sampling_params import SamplingParams
 from mstar.kernels import cpu_isa, cpu_kernels
 
 NEW_TOKENS = 8
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 @pytest.fixture(params=[lvl.name for lvl in cpu_isa.supported_levels()])
@@ -50,8 +51,13 @@ def two_threads() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("two_threads")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "family"),
+    [
+        *((d, "auto", f) for d in ("float32", "bfloat16") for f in FAMILIES),
+        ("float32", "float32", "llama"),  # auto's bf16 cache under float32 is the line above
+    ],
+)
 def test_quant_fused_decode_gives_the_layer_by_layer_bits(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -59,17 +65,21 @@ def test_quant_fused_decode_gives_the_layer_by_layer_bits(
     level: str,
     family: str,
     dtype: str,
+    kv_cache_dtype: str,
 ) -> None:
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"{family}.gguf"
     write_tiny_gguf(path, family, qtypes=QTYPES[family], hidden=64)
     config = EngineConfig(
         model=str(path), dtype=dtype, device="cpu", page_size=4, num_pages=256,
-        host_offload_gb=0, seed=0,
+        host_offload_gb=0, seed=0, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     with caplog.at_level(logging.INFO, logger="mstar.engine.model.loader"):
         engine = LLMEngine.from_config(config)
     assert "one fused CPU kernel call (weights: GGUF blocks as stored)" in caplog.text
+    # `--kv-cache-dtype auto`: bf16 under float32 activations (q, k, v cast around attention)
+    kv_dtype = torch.float32 if kv_cache_dtype == "float32" else torch.bfloat16
+    assert engine.kv.cache.tensor.dtype == kv_dtype
     decoder = engine.model_runner.decoder
     assert decoder.cpu_kernels is not None and decoder.cpu_kernels.isa_level() == level
     bundle = decoder.fused_decode

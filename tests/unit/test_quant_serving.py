@@ -174,7 +174,9 @@ def test_engine_serves_gguf_quantized(tmp_path, monkeypatch):
     monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "q.gguf"
     write_tiny_gguf(path, "qwen2", qtypes=QTYPES["qwen2"])
-    config = EngineConfig(model=str(path), dtype="float32", device="cpu", num_pages=64)
+    config = EngineConfig(
+        model=str(path), dtype="float32", kv_cache_dtype="float32", device="cpu", num_pages=64
+    )  # the float32 pool's cache below (auto's bf16 one: the next test)
     engine = LLMEngine.from_config(config)
     assert any(isinstance(m, QuantLinear) for m in engine.decoder.modules())
     decoder, cfg, tok = load_model(path, "float32")
@@ -184,3 +186,47 @@ def test_engine_serves_gguf_quantized(tmp_path, monkeypatch):
     assert served == greedy(decoder, PagedPool(cfg, num_pages=16, page_size=4), [prompt], 8)[0]
     dense = LLMEngine.from_config(dataclasses.replace(config, quantization="none"))
     assert not any(isinstance(m, QuantLinear) for m in dense.decoder.modules())
+
+
+def test_stored_gguf_kv_cache_is_bf16_beside_float32_activations(tmp_path, monkeypatch, caplog):
+    """`--kv-cache-dtype auto` on a stored GGUF under float32 activations: a bf16 cache (half
+    the bytes, as llama.cpp's default f16 one); q, k, v rounded to bf16 before attention give
+    each step's logits close to the float32 cache's and not equal to them, and the same greedy
+    tokens on this prompt."""
+    monkeypatch.setenv("MSTAR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, "qwen3", qtypes=QTYPES["qwen3"])
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", num_pages=64)
+    with caplog.at_level(logging.INFO, logger="mstar.engine.engine"):
+        engine = LLMEngine.from_config(config)
+    assert "KV cache: bfloat16 (auto: a GGUF served as stored" in caplog.text
+    full = LLMEngine.from_config(dataclasses.replace(config, kv_cache_dtype="float32"))
+    half, f32 = engine.kv.cache.tensor, full.kv.cache.tensor
+    assert (half.dtype, f32.dtype) == (torch.bfloat16, torch.float32)
+    assert half.shape == f32.shape and 2 * half.nbytes == f32.nbytes
+    prompt = engine.tokenizer.encode("the lazy dog near the café")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    steps = [_record_logits(e) for e in (engine, full)]
+    assert engine.generate([prompt], params) == full.generate([prompt], params)
+    assert len(steps[0]) == len(steps[1]) == 4  # the prompt's step, then 3 decode steps
+    for ours, ref in zip(*steps, strict=True):
+        assert ours.dtype == torch.float32 and not torch.equal(ours, ref)
+        # bf16's rounding (<= 2^-9 relative) alone would be well under 1%, but a rounded
+        # activation that crosses one of the next integer dot's 8-bit steps moves a full step:
+        # LOGIT_TOL's bound (one step measured at 2.2% of the largest |logit|)
+        atol = LOGIT_TOL * float(ref.abs().max())
+        torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
+
+
+def _record_logits(engine: LLMEngine) -> list[torch.Tensor]:
+    """The list each of ``engine``'s decoder steps appends its logits to."""
+    decoder = engine.model_runner.decoder
+    forward, seen = decoder.forward, []
+
+    def recording(*args: object) -> torch.Tensor:
+        logits: torch.Tensor = forward(*args)
+        seen.append(logits.clone())
+        return logits
+
+    decoder.forward = recording
+    return seen

@@ -24,6 +24,7 @@ STEP_BUDGETS = ("adaptive", "fixed")
 #: --quantization: "auto" serves quantized checkpoint weights as stored, "none" dequantizes,
 #: "fp8" quantizes float weights to e4m3 at load (`model.fp8`)
 QUANTIZATIONS = ("auto", "none", "fp8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -48,7 +49,8 @@ class EngineConfig:
     dtype: str = field(
         default="auto",
         metadata=_flag(
-            "Weight and KV dtype. auto: bfloat16 on CUDA, on CPUs with native bf16 math "
+            "Weight and activation dtype (the KV cache's too, unless --kv-cache-dtype says). "
+            "auto: bfloat16 on CUDA, on CPUs with native bf16 math "
             "(AVX512-BF16 or AMX) and on CPUs with FMA where the C++ kernels load (their bf16 "
             "GEMM reads half the bytes per token of float32: the faster choice); float32 "
             "where the kernels are off, and for a GGUF served as stored on CPU (its blocks read "
@@ -67,6 +69,16 @@ class EngineConfig:
             "fp8: a float checkpoint's layer projections quantized to e4m3 at load, one scale "
             "per output channel.",
             choices=QUANTIZATIONS,
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "KV cache dtype. auto: bfloat16 for a GGUF served as stored on CPU with float32 "
+            "activations (llama.cpp's default 16-bit cache: half the KV memory), else --dtype. "
+            "bfloat16 under float32 activations rounds k, v and q to bf16 for attention (CPU, "
+            "one rank only); float32 keeps a float32 --dtype's greedy output token-exact.",
+            choices=KV_CACHE_DTYPES,
         ),
     )
     device: str = field(default="auto", metadata=_flag("cuda when available.", choices=DEVICES))
@@ -303,6 +315,7 @@ class EngineConfig:
             ("attention_backend", ATTENTION_BACKENDS),
             ("step_budget", STEP_BUDGETS),
             ("quantization", QUANTIZATIONS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{_dash(name)} must be one of {', '.join(allowed)}")
@@ -321,6 +334,8 @@ class EngineConfig:
             problems.append(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
         if self.tensor_parallel_size > 1 and self.lora_enabled:
             problems.append("--enable-lora: not served with --tensor-parallel-size > 1")
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
+            problems.append("--kv-cache-dtype: not served with --tensor-parallel-size > 1")
         if self.tensor_parallel_size > 1 and self.quantization == "fp8":
             problems.append("--quantization fp8: not served with --tensor-parallel-size > 1")
         if self.nnodes > 1 and not self.dist_init_addr:

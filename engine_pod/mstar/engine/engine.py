@@ -42,7 +42,7 @@ from mstar.engine.resources.sampling import SamplerRequestConfig, SamplerResourc
 from mstar.engine.resources.sampling.grammar import GrammarBackend, InvalidGrammar
 from mstar.engine.sampling_params import InvalidParameter, SamplingParams, context_overflow
 from mstar.engine.scheduler import Scheduler, SchedulerConfig, SchedulerCounters
-from mstar.kernels import cpu_kernels, resolve_attention_backend
+from mstar.kernels import BackendUnavailable, cpu_kernels, resolve_attention_backend
 from mstar.kernels.cpu_gemm import cpu_prefers_bf16
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class LLMEngine:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
         model_name: str,
         num_pages: int,
         host_offload_pages: int,
@@ -86,7 +87,8 @@ class LLMEngine:
         ranks: LeaderRanks | None = None,
     ) -> None:
         """``ranks``: rank 0's side of a tensor-parallel replica (``decoder`` is then this
-        rank's shard and ``decoder.config`` its heads); None: one rank."""
+        rank's shard and ``decoder.config`` its heads); None: one rank. ``kv_dtype``: the KV
+        cache's (`--kv-cache-dtype`; None: ``dtype``)."""
         self.decoder = decoder
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -105,7 +107,7 @@ class LLMEngine:
                 local,
                 config,
                 num_pages,
-                dtype,
+                kv_dtype or dtype,
                 device,
                 max_seq_len=self.max_model_len,
                 host_offload_pages=host_offload_pages,
@@ -123,7 +125,9 @@ class LLMEngine:
             grammar=self.grammar,
             eos_token_ids=tokenizer.eos_token_ids,
         )
-        attention = attention_resource(self.kv.cache, local, config, device, dtype)
+        attention = attention_resource(
+            self.kv.cache, local, config, device, self.kv.cache.tensor.dtype
+        )
         resources = {
             KV: self.kv,
             ATTN: attention,
@@ -178,7 +182,9 @@ class LLMEngine:
         token budget's default differs, see `CPU_SERVING_BATCHED_TOKENS`)."""
         device = _pick_device(config.device)
         path = default_model(config.model)
-        dtype = _pick_dtype(config.dtype, device, stored=_serves_stored(config, path, device))
+        stored = _serves_stored(config, path, device)
+        dtype = _pick_dtype(config.dtype, device, stored=stored)
+        kv_dtype = _pick_kv_dtype(config.kv_cache_dtype, dtype, device, stored=stored)
         # Refuse an unavailable attention backend before spending time on the weights.
         backend = resolve_attention_backend(config.attention_backend, device, dtype)
         if config.deterministic:
@@ -196,7 +202,7 @@ class LLMEngine:
             if config.deterministic:
                 check_head_dim(device, model_config.head_dim)
             attach_fused_glue_ops(decoder, device, dtype, config.deterministic)
-            num_pages, bytes_per_page = kv_pages(config, model_config, device, dtype)
+            num_pages, bytes_per_page = kv_pages(config, model_config, device, kv_dtype)
             if ranks is not None:
                 num_pages = ranks.group.agree_min(num_pages)
         except BaseException:
@@ -220,6 +226,7 @@ class LLMEngine:
             config,
             device=device,
             dtype=dtype,
+            kv_dtype=kv_dtype,
             model_name=name,
             num_pages=num_pages,
             host_offload_pages=host_pages,
@@ -367,6 +374,28 @@ def _pick_dtype(name: str, device: torch.device, *, stored: bool = False) -> tor
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _pick_kv_dtype(
+    name: str, dtype: torch.dtype, device: torch.device, *, stored: bool
+) -> torch.dtype:
+    """``auto``: bf16 for a GGUF served as stored under float32 activations on CPU (llama.cpp's
+    default 16-bit cache; the float32 one was 360 of the default model's 900 MiB at 512 pages),
+    else ``dtype``. A cache dtype other than ``dtype`` runs on CPU only (the attention casts
+    around the CPU kernels). Logged once with its reason."""
+    if name == "auto":
+        if stored and device.type == "cpu" and dtype == torch.float32:
+            log.info("KV cache: bfloat16 (auto: a GGUF served as stored, float32 activations)")
+            return torch.bfloat16
+        return dtype
+    kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    if kv_dtype != dtype and device.type != "cpu":
+        raise BackendUnavailable(
+            f"--kv-cache-dtype {name}: a cache dtype other than the activations' ({dtype}) "
+            "is served on CPU only"
+        )
+    log.info("KV cache: %s (--kv-cache-dtype %s)", name, name)
+    return kv_dtype
 
 
 def _serves_stored(config: EngineConfig, path: str, device: torch.device) -> bool:

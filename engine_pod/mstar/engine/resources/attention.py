@@ -153,6 +153,13 @@ class PagedAttentionContext:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kv_layer = self.cache.layer_view(layer_idx)
+        if q.dtype != kv_layer.dtype:
+            # `--kv-cache-dtype` bfloat16 under float32 activations (llama.cpp's f16 cache):
+            # k, v stored rounded, q rounded to take its dot products in the cache's dtype,
+            # the output widened back (the fused C++ loop casts the same, so the same bits).
+            cache_dtype, out_dtype = kv_layer.dtype, q.dtype
+            q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+            return self.attend(layer_idx, q, k, v, sinks).to(out_dtype)
         window = self.windows[layer_idx] if self.windows else 0
         g = self.layer_group[layer_idx] if self.layer_group else 0
         decode = self.decodes[g]

@@ -5,6 +5,29 @@
 #include "glue_ops.h"
 #include "lora_ops.h"
 
+// dst [T, N] (contiguous) = the first N columns of src's rows, converted between float32 and
+// bf16 as torch's `.to()` does (bf16: round to nearest even); returns dst. `run_decode_layers`'
+// attention lines under `--kv-cache-dtype` (a bf16 cache beside float32 activations).
+const torch::Tensor& convert_rows(const torch::Tensor& src, const torch::Tensor& dst) {
+  const int64_t rows = dst.size(0), n = dst.size(1), stride = src.stride(0);
+  TORCH_CHECK(src.stride(1) == 1 && src.size(1) >= n && dst.is_contiguous(),
+              "decode_layers: KV cast rows");
+  if (src.scalar_type() == torch::kFloat32 && dst.scalar_type() == torch::kBFloat16) {
+    const float* s = src.data_ptr<float>();
+    auto* d = dst.data_ptr<c10::BFloat16>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < n; ++j) d[r * n + j] = c10::BFloat16(s[r * stride + j]);
+  } else if (src.scalar_type() == torch::kBFloat16 && dst.scalar_type() == torch::kFloat32) {
+    const auto* s = src.data_ptr<c10::BFloat16>();
+    float* d = dst.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < n; ++j) d[r * n + j] = static_cast<float>(s[r * stride + j]);
+  } else {
+    TORCH_CHECK(false, "decode_layers: the KV cache must be float32 or bfloat16");
+  }
+  return dst;
+}
+
 // Every decoder layer of a decode step (bf16, or float32 over the FMA GEMM) in one call
 // (`run_decode_layers`; a batch-1 step 13.4-14.7 -> 12.0-12.5 ms against the layer path).
 // h [T, H]: layer 0's normed input; residual [T, H] (updated in place); per layer (lists of

@@ -62,6 +62,14 @@ std::vector<torch::Tensor> run_decode_layers(
   const auto layers = static_cast<int64_t>(norm_in.size());
   const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
   const int64_t qk_heads = num_heads + num_kv_heads;
+  // `--kv-cache-dtype`: the attention lines cast as `PagedAttentionContext.attend` does, into
+  // buffers every layer reuses (per-layer `.to()` calls cost ~9% of a batch-1 step)
+  const bool cast_kv = cache.scalar_type() != x.scalar_type();
+  torch::Tensor qkv_cast, attn_cast;
+  if (cast_kv) {
+    qkv_cast = torch::empty({t, q_size + 2 * kv_size}, cache.options());
+    attn_cast = torch::empty({t, q_size}, x.options());
+  }
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t* in = layout.ints.data() + 4 * i;
     const int64_t rope = in[0], window = in[1], group = in[2];
@@ -73,13 +81,18 @@ std::vector<torch::Tensor> run_decode_layers(
     if (norm[1]) rms_norm_(qk.narrow(1, num_heads, num_kv_heads), *norm[1], eps);
     rope_(qk, layout.cos[rope], layout.sin[rope]);
     const auto kv_layer = cache.select(0, in[3]);
-    write_kv(kv_layer, qk.narrow(1, num_heads, num_kv_heads),
-             fused.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim}),
-             layout.slots[group]);
-    const auto attn = paged_decode(qk.narrow(1, 0, num_heads), kv_layer,
-                                   layout.page_tables[group], layout.kv_lens[group], scale,
-                                   window, moe_decode_sinks_(i));  // gpt-oss's, if any
-    x = proj(attn.view({t, q_size}), i, 1);
+    // a bf16 cache under float32 activations: q, k, v rounded to its dtype
+    if (cast_kv) convert_rows(fused, qkv_cast);
+    const auto& qkv = cast_kv ? qkv_cast : fused;
+    const auto q = qkv.narrow(1, 0, q_size).view({t, num_heads, dim});
+    const auto k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, dim});
+    const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, dim});
+    write_kv(kv_layer, k, v, layout.slots[group]);
+    auto attn = paged_decode(q, kv_layer, layout.page_tables[group], layout.kv_lens[group],
+                             scale, window, moe_decode_sinks_(i))  // gpt-oss's, if any
+                    .view({t, q_size});
+    if (cast_kv) attn = convert_rows(attn, attn_cast);
+    x = proj(attn, i, 1);
     if (norm[2]) rms_norm_(x, *norm[2], eps);
     add_rms_norm_(x, residual, norm_post[i], eps);
     if (!moe_decode_mlp_(x, i)) {  // an MoE layer's router and experts instead (moe_decode.h)

@@ -34,6 +34,7 @@ torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed, 
                            const c10::optional<torch::Tensor>& bias);
 
 // decode_bindings.cpp
+const torch::Tensor& convert_rows(const torch::Tensor& src, const torch::Tensor& dst);
 std::vector<torch::Tensor> decode_layers(
     torch::Tensor h, torch::Tensor residual, std::vector<torch::Tensor> norm_in,
     std::vector<torch::Tensor> norm_post, std::vector<torch::Tensor> qkv,
