@@ -68,7 +68,7 @@ def cases(tiny_llama_dir: Path, adapters: dict[str, Path]) -> Cases:
 
 def _engine(base: Path, adapters: dict[str, Path], **kw: Any) -> LLMEngine:
     cfg: dict[str, Any] = dict(
-        model=str(base), dtype="float32", device="cpu", page_size=4,
+        model=str(base), dtype="float32", device="cpu", page_size=4, num_pages=512,
         lora_modules=[f"{n}={p}" for n, p in adapters.items()], max_lora_rank=64, max_loras=8,
     )  # fmt: skip
     cfg.update(kw)
