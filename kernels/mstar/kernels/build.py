@@ -64,6 +64,7 @@ BINDINGS = (
     "moe_bindings.cpp",
     "moe_decode.cpp",
     "lora_bindings.cpp",
+    "huge_pages.cpp",
 )
 #: the prefix of each level's library and Python module name (`module_name`)
 MODULE = "mstar_cpu_kernels"

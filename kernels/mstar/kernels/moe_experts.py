@@ -139,14 +139,15 @@ class CpuExperts:
         act: ExpertAct,
         pack: Callable[[Any], Any] | None = None,
     ) -> CpuExperts:
-        """Packs [E, 2I, H] and [E, H, I] expert by expert with ``pack`` (default:
-        `cpu_expert_pack`'s); ValueError where the kernels take no such weights."""
+        """Packs [E, 2I, H] and [E, H, I] with ``pack`` (default: `cpu_expert_pack`'s; the
+        kernels' pack functions take a stack of experts); ValueError where the kernels take no
+        such weights."""
         pack = pack or cpu_expert_pack(kernels, gate_up.dtype)
         if pack is None:
             raise ValueError(f"the CPU MoE kernel takes float32 or bf16, not {gate_up.dtype}")
 
         def stack(w: torch.Tensor) -> torch.Tensor:
-            return torch.stack([pack(w[e]) for e in range(w.shape[0])])
+            return pack(w.detach())  # the kernels pack [E, N, K] expert by expert, in place
 
         def bias(b: torch.Tensor | None) -> torch.Tensor | None:
             return None if b is None else b.detach().contiguous()

@@ -63,8 +63,8 @@ void check_gemm_x(const torch::Tensor& x, const char* op) {
               ": x must be bfloat16 [M, K] with contiguous rows");
 }
 torch::Tensor pack_input(const torch::Tensor& weight, const char* op) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, op,
-              ": weight must be bfloat16 [N, K]");
+  TORCH_CHECK((weight.dim() == 2 || weight.dim() == 3) && weight.scalar_type() == at::kBFloat16,
+              op, ": weight must be bfloat16 [N, K] (or a stack of experts' [E, N, K])");
   return weight.contiguous();
 }
 

@@ -3,6 +3,25 @@
 // bindings.cpp and linked into every level.
 #include "binding_checks.h"
 #include "glue_ops.h"
+#include "huge_pages.h"
+
+namespace {
+
+// w [N, K] (or a stack of experts' [E, N, K], contiguous) packed matrix by matrix by
+// pack(src, n, k, dst) into `dims` per matrix ([E, dims...] for a stack), in huge pages: a
+// stack is packed in place, never through a per-expert copy.
+template <typename T, typename Pack>
+torch::Tensor pack_each(const torch::Tensor& w, std::vector<int64_t> dims, Pack pack) {
+  const int64_t mats = w.dim() == 3 ? w.size(0) : 1, n = w.size(-2), k = w.size(-1);
+  if (w.dim() == 3) dims.insert(dims.begin(), mats);
+  auto packed = huge_zeros(dims, w.scalar_type());
+  const int64_t per = packed.numel() / std::max<int64_t>(mats, 1);
+  for (int64_t e = 0; e < mats; ++e)
+    pack(w.data_ptr<T>() + e * n * k, n, k, packed.data_ptr<T>() + e * per);
+  return packed;
+}
+
+}  // namespace
 
 // True where this level has AMX bf16 tiles and the kernel granted them: `amx_linear` runs.
 bool amx_available() { return mstar_cpu::amx_compiled() && mstar_cpu::request_amx(); }
@@ -12,12 +31,12 @@ bool amx_available() { return mstar_cpu::amx_compiled() && mstar_cpu::request_am
 // zero-padded past N and K.
 torch::Tensor amx_pack_weight(torch::Tensor weight) {
   const auto w = pack_input(weight, "amx_pack_weight");
-  const int64_t n = w.size(0), k = w.size(1);
-  auto packed = torch::zeros({round_up(n, mstar_cpu::kAmxPanelCols) / mstar_cpu::kAmxPanelCols,
-                              round_up(k, mstar_cpu::kAmxTileK) / mstar_cpu::kAmxTileK, 16, 2, 32},
-                             w.options());
-  mstar_cpu::amx_pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
-  return packed;
+  const int64_t n = w.size(-2), k = w.size(-1);
+  return pack_each<c10::BFloat16>(
+      w,
+      {round_up(n, mstar_cpu::kAmxPanelCols) / mstar_cpu::kAmxPanelCols,
+       round_up(k, mstar_cpu::kAmxTileK) / mstar_cpu::kAmxTileK, 16, 2, 32},
+      mstar_cpu::amx_pack);
 }
 
 // x [M, K] bf16 (rows contiguous) @ weight.T (+ bias) -> [M, N] bf16, float32 accumulation
@@ -55,12 +74,11 @@ bool dpbf16_available() { return mstar_cpu::dpbf16_compiled(); }
 // columns, one row of (column, k-pair) per pair of K, zero-padded past N and K.
 torch::Tensor dpbf16_pack_weight(torch::Tensor weight) {
   const auto w = pack_input(weight, "dpbf16_pack_weight");
-  const int64_t n = w.size(0), k = w.size(1);
-  auto packed = torch::zeros(
+  const int64_t n = w.size(-2), k = w.size(-1);
+  return pack_each<c10::BFloat16>(
+      w,
       {round_up(n, mstar_cpu::kDotCols) / mstar_cpu::kDotCols, (k + 1) / 2, mstar_cpu::kDotCols, 2},
-      w.options());
-  mstar_cpu::dpbf16_pack(w.data_ptr<c10::BFloat16>(), n, k, packed.data_ptr<c10::BFloat16>());
-  return packed;
+      mstar_cpu::dpbf16_pack);
 }
 
 // x [M, K] bf16 (rows contiguous) @ weight.T (+ bias) -> [M, N] bf16, float32 accumulation
@@ -92,15 +110,16 @@ bool fma_available() { return mstar_cpu::fma_compiled(); }
 // Weight [N, K] bf16 or float32 -> [ceil(N/16), K, 16] of the same dtype for `fma_linear`,
 // zero-padded past N.
 torch::Tensor fma_pack_weight(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && glue_dtype(weight),
-              "fma_pack_weight: weight must be bfloat16 or float32 [N, K]");
+  TORCH_CHECK((weight.dim() == 2 || weight.dim() == 3) && glue_dtype(weight),
+              "fma_pack_weight: weight must be bfloat16 or float32 [N, K] (or [E, N, K])");
   const auto w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1);
-  auto packed = torch::zeros(
-      {round_up(n, mstar_cpu::kFmaCols) / mstar_cpu::kFmaCols, k, mstar_cpu::kFmaCols}, w.options());
+  const int64_t n = w.size(-2), k = w.size(-1);
+  torch::Tensor packed;
   by_dtype(w, "fma_pack_weight", [&](auto tag) {
     using T = decltype(tag);
-    mstar_cpu::fma_pack(w.data_ptr<T>(), n, k, packed.data_ptr<T>());
+    packed = pack_each<T>(
+        w, {round_up(n, mstar_cpu::kFmaCols) / mstar_cpu::kFmaCols, k, mstar_cpu::kFmaCols},
+        mstar_cpu::fma_pack<T>);
   });
   return packed;
 }
