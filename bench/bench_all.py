@@ -282,13 +282,16 @@ def offline_llama_cpp(
     return best
 
 
-def mstar_batch1(folder: str, dtype: str, new: int, repeat: int) -> dict[str, float]:
+def mstar_batch1(
+    folder: str, dtype: str, new: int, repeat: int, engine: Any | None = None
+) -> dict[str, float]:
     """mstar timed as llama-bench times itself, best of ``repeat``: ``tg``, tok/s of ``new``
     tokens decoded after a 1-token prompt (that prompt's step subtracted); ``pp``, tok/s of
-    a 128-token prompt's step (its first token included)."""
+    a 128-token prompt's step (its first token included). ``engine``: a batch-1 engine of
+    ``folder`` to reuse (rounds alternating with a peer), else one is loaded."""
     from mstar.engine.sampling_params import SamplingParams
 
-    engine = mstar_engine(folder, dtype, 1)
+    engine = engine or mstar_engine(folder, dtype, 1)
 
     def seconds(prompt: list[int], tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
