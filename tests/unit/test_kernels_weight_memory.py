@@ -56,11 +56,13 @@ def _mapping_flags(address: int) -> str:
 
 @pytest.mark.parametrize(("level", "name", "dtype"), _packs())
 def test_a_large_packed_weight_is_advised_into_huge_pages(level, name, dtype) -> None:
-    packed = _pack(level, name)(torch.randn(3072, 1024).to(dtype))
+    small = _pack(level, name)(torch.randn(96, 64).to(dtype))
+    packed = _pack(level, name)(torch.randn(4096, 2048).to(dtype))  # 16 MiB: a chunk of its own
     assert packed.data_ptr() % HUGE_PAGE == 0
     if _thp_mode() == "never":
         pytest.skip("transparent huge pages are off on this host: the advice is ignored")
-    assert " hg" in _mapping_flags(packed.data_ptr())  # MADV_HUGEPAGE took
+    for weight in (packed, small):  # a shared chunk is advised too
+        assert " hg" in _mapping_flags(weight.data_ptr())  # MADV_HUGEPAGE took
 
 
 @pytest.mark.parametrize(("level", "name", "dtype"), _packs())
