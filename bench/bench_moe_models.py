@@ -137,7 +137,7 @@ def batch1_rounds(
     engine = mstar_engine(str(folder), dtype, 1)
     ours: dict[str, float] = {"pp": 0.0, "tg": 0.0}
     theirs: dict[str, float] | str = {"pp": 0.0, "tg": 0.0}
-    ratios = []
+    ratios: list[str] = []
     for _ in range(rounds):
         got = mstar_batch1(str(folder), dtype, new, repeat, engine)
         ours = {k: max(v, got[k]) for k, v in ours.items()}
