@@ -17,6 +17,7 @@ import torch
 from mstar.engine.startup_memory import (
     Mapping,
     drop_unused_cuda_pages,
+    huge_page_share,
     is_cuda_library,
     mappings,
     release_freed_heap,
@@ -48,6 +49,21 @@ def test_freed_heap_below_a_live_chunk_is_returned() -> None:
         assert before - _rss() > 32 * MIB
     finally:
         libc.free(pin)
+
+
+def test_huge_page_share_reads_the_rollup(tmp_path) -> None:
+    rollup = tmp_path / "smaps_rollup"
+    rollup.write_text(
+        "55d0-7ffd ---p 00000000 00:00 0  [rollup]\nRss:             3135688 kB\n"
+        "Anonymous:       2900000 kB\nAnonHugePages:   1366016 kB\n"
+    )
+    assert huge_page_share(str(rollup)) == (1366016, 3135688)
+    rollup.write_text("Rss:             3135688 kB\n")  # a kernel without THP accounting
+    assert huge_page_share(str(rollup)) is None
+    assert huge_page_share(str(tmp_path / "missing")) is None
+    huge, rss = huge_page_share() or (-1, -1)  # this process
+    assert 0 <= huge <= rss
+    assert abs(rss * 1024 - _rss()) < 64 * MIB
 
 
 def _cuda_read_only() -> list[Mapping]:

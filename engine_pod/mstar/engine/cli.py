@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     from mstar.engine.parallel.group import RankLayoutError
     from mstar.engine.server.app import build_app, serve
     from mstar.engine.server.async_engine import EngineThread
-    from mstar.engine.startup_memory import drop_unused_cuda_pages, release_freed_heap
+    from mstar.engine.startup_memory import (
+        drop_unused_cuda_pages,
+        huge_page_share,
+        release_freed_heap,
+    )
     from mstar.kernels import BackendUnavailable
 
     # Built on the thread that will step it: one OpenMP team, not two, on the CPU's cores.
@@ -100,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     # What loading freed, and on CPU the CUDA libraries' pages: `mstar.engine.startup_memory`.
     release_freed_heap()
     if engine.device.type == "cpu":
-        logging.getLogger(__name__).info(
-            "CPU engine: %d MiB of the CUDA libraries' pages dropped",
-            drop_unused_cuda_pages() >> 10,
-        )
+        log = logging.getLogger(__name__)
+        log.info("CPU engine: %d MiB of the CUDA libraries' pages dropped",
+                 drop_unused_cuda_pages() >> 10)  # fmt: skip
+        share = huge_page_share()
+        if share is not None:  # the packed weights' 2 MiB pages (mstar.kernels' README)
+            log.info("CPU engine: %d of %d MiB resident in 2 MiB pages", share[0] >> 10,
+                     share[1] >> 10)  # fmt: skip
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(
         engine,
