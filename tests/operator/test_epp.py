@@ -144,6 +144,12 @@ def test_the_picker_starts_on_the_operators_config_and_reads_mstar_metrics(pool:
             lambda: gauge(picker.metrics(), "inference_pool_average_queue_size") >= 1.0,
             "the picker to see the queue", 30, picker,
         )  # fmt: skip
+        # The engine's KV gauge moves with its first step, a scrape after the queue's: wait
+        # for a refresh that saw the running requests' pages.
+        wait_until(
+            lambda: gauge(picker.metrics(), "inference_pool_average_kv_cache_utilization") > 0.0,
+            "the picker to see KV pages in use", 30, picker,
+        )  # fmt: skip
         kv = gauge(picker.metrics(), "inference_pool_average_kv_cache_utilization")
         assert 0.0 < kv < 1.0
 
