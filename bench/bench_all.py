@@ -291,7 +291,8 @@ def mstar_batch1(
     ``folder`` to reuse (rounds alternating with a peer), else one is loaded."""
     from mstar.engine.sampling_params import SamplingParams
 
-    engine = engine or mstar_engine(folder, dtype, 1)
+    if engine is None:
+        engine = mstar_engine(folder, dtype, 1)
 
     def seconds(prompt: list[int], tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
