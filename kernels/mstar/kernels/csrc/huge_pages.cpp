@@ -13,8 +13,8 @@
 namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
-// Small tensors are packed into chunks this big (a model's norms and biases, a small layer's
-// projections); a tensor at least this big gets a chunk of its own.
+// Smaller packed weights (a small model's projections, a router) share chunks this big; a
+// weight at least this big gets a chunk of its own.
 constexpr size_t kChunk = size_t{16} << 20;
 constexpr size_t kAlign = 64;  // every tensor starts on a cache line
 
